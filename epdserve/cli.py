@@ -1,0 +1,132 @@
+"""The ``epdserve`` command line.
+
+Every user-facing error ends as one line on stderr and a nonzero exit, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Sequence
+
+from epdserve.errors import EpdserveError
+
+EXIT_USAGE = 2
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("engine")
+    g.add_argument("--model", default=None, help="GGUF file, Hugging Face directory, 'default' (SmolLM2-135M-Instruct) or 'gemma3'")
+    g.add_argument("--dtype", default="auto", help="auto (bfloat16), bfloat16, float32, float16")
+    g.add_argument("--device", default="auto", help="auto (cuda if present, else cpu), cpu, cuda, cuda:N")
+    g.add_argument("--max-model-len", type=int, default=None, help="prompt + output tokens of one request")
+    g.add_argument("--max-num-seqs", type=int, default=256, help="sequences running at once")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens computed per step")
+    g.add_argument("--no-chunked-prefill", action="store_true", help="run each prompt in one step")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    g.add_argument("--kv-cache-memory", type=float, default=2.0, help="KV cache size in GiB")
+    g.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks per group (overrides --kv-cache-memory)")
+    g.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
+    g.add_argument("--seed", type=int, default=0, help="seed of the engine's shared sampler")
+
+
+def engine_args_from(ns: argparse.Namespace):  # -> EngineArgs
+    from epdserve.config import EngineArgs
+
+    return EngineArgs(
+        model=ns.model,
+        dtype=ns.dtype,
+        device=ns.device,
+        seed=ns.seed,
+        max_model_len=ns.max_model_len,
+        max_num_seqs=ns.max_num_seqs,
+        max_num_batched_tokens=ns.max_num_batched_tokens,
+        enable_chunked_prefill=not ns.no_chunked_prefill,
+        block_size=ns.block_size,
+        kv_cache_memory_gib=ns.kv_cache_memory,
+        num_kv_blocks=ns.num_kv_blocks,
+        enable_prefix_caching=not ns.no_prefix_caching,
+    )
+
+
+def _generate(ns: argparse.Namespace) -> int:
+    from epdserve.engine.engine import LLMEngine
+    from epdserve.errors import InvalidRequestError
+    from epdserve.sampling import SamplingParams
+
+    if ns.prompt is None and ns.prompts_file is None:
+        raise InvalidRequestError("give --prompt TEXT or --prompts-file FILE")
+    if ns.prompts_file is not None:
+        try:
+            with open(ns.prompts_file, encoding="utf-8") as f:
+                prompts = [line.rstrip("\n") for line in f if line.strip()]
+        except OSError as e:
+            raise InvalidRequestError(f"cannot read prompts file: {e.strerror}: {ns.prompts_file}") from None
+        if not prompts:
+            raise InvalidRequestError(f"prompts file {ns.prompts_file} has no prompts")
+    else:
+        prompts = [ns.prompt]
+    params = SamplingParams(
+        max_tokens=ns.max_tokens,
+        temperature=ns.temperature,
+        top_p=ns.top_p,
+        top_k=ns.top_k,
+        ignore_eos=ns.ignore_eos,
+        stop=tuple(ns.stop or ()),
+    )
+    engine = LLMEngine(engine_args_from(ns))
+    prompt_ids = [engine.encode_prompt(p, chat=ns.chat) for p in prompts]
+    for ids in prompt_ids:
+        engine.validate_prompt(ids)
+    results = engine.generate(prompt_ids, params)
+    for prompt, (completion,) in zip(prompts, results):
+        if ns.json:
+            print(json.dumps({
+                "text": completion.text,
+                "token_ids": completion.token_ids,
+                "finish_reason": completion.finish_reason,
+                "num_prompt_tokens": completion.num_prompt_tokens,
+            }, ensure_ascii=False))
+        elif len(prompts) == 1:
+            print(completion.text)
+        else:
+            print(f"--- {prompt}\n{completion.text}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="epdserve", description="Disaggregated LLM serving: encode / prefill / decode.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text offline with one engine")
+    gen.add_argument("--prompt", default=None, help="the prompt text")
+    gen.add_argument("--prompts-file", default=None, help="one prompt a line, all batched through the engine")
+    gen.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--stop", action="append", help="a stop string (repeatable)")
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--json", action="store_true", help="one JSON object a line per prompt")
+    add_engine_args(gen)
+    gen.set_defaults(func=_generate)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    func: Callable[[argparse.Namespace], int] = ns.func
+    try:
+        return func(ns)
+    except EpdserveError as e:
+        print(f"epdserve: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

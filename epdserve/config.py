@@ -1,0 +1,130 @@
+"""Engine configuration: frozen dataclasses, validated on construction.
+
+``EngineArgs`` holds what a user asked for (with "auto" values); ``EngineArgs.resolve`` turns
+it into a frozen ``EngineConfig`` once the model's spec is known.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from epdserve.errors import ConfigError
+
+DTYPES = ("bfloat16", "float32", "float16")
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048  # tokens computed in one step, all requests together
+    max_model_len: int = 4096  # prompt + output tokens of one request
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        _require(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        _require(
+            self.max_num_batched_tokens >= 1,
+            f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}",
+        )
+        _require(self.max_model_len >= 2, f"max_model_len must be >= 2, got {self.max_model_len}")
+        _require(
+            self.enable_chunked_prefill or self.max_num_batched_tokens >= self.max_model_len,
+            "without chunked prefill, max_num_batched_tokens must be >= max_model_len",
+        )
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16  # tokens per KV block
+    num_blocks: int = 1024  # per KV cache group, including the reserved null block
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        _require(self.block_size >= 1, f"block_size must be >= 1, got {self.block_size}")
+        _require(self.num_blocks >= 2, f"num_blocks must be >= 2, got {self.num_blocks}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | None
+    dtype: str
+    device: str
+    seed: int
+    scheduler: SchedulerConfig
+    cache: CacheConfig
+
+    def __post_init__(self) -> None:
+        _require(self.dtype in DTYPES, f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+
+
+@dataclass
+class EngineArgs:
+    """User-facing options; "auto" and None are resolved against the model in ``resolve``."""
+
+    model: str | None = None
+    dtype: str = "auto"  # bfloat16 on CPU and CUDA
+    device: str = "auto"  # cuda when available, else cpu
+    seed: int = 0
+    max_model_len: int | None = None  # None: min(model's context length, 4096)
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None  # None: max(2048, max_model_len) w/o chunking
+    enable_chunked_prefill: bool = True
+    block_size: int = 16
+    kv_cache_memory_gib: float = 2.0  # KV pool size across all layers and groups
+    num_kv_blocks: int | None = None  # overrides kv_cache_memory_gib
+    enable_prefix_caching: bool = True
+    extra: dict = field(default_factory=dict)
+
+    def resolve(self, model_max_len: int, bytes_per_block: int) -> EngineConfig:
+        """``bytes_per_block``: K and V of one block in every layer of every group."""
+        max_model_len = self.max_model_len or min(model_max_len, 4096)
+        _require(
+            2 <= max_model_len <= model_max_len,
+            f"max_model_len must be between 2 and the model's {model_max_len}, got {max_model_len}",
+        )
+        max_batched = self.max_num_batched_tokens
+        if max_batched is None:
+            max_batched = 2048 if self.enable_chunked_prefill else max(2048, max_model_len)
+        num_blocks = self.num_kv_blocks
+        if num_blocks is None:
+            _require(self.kv_cache_memory_gib > 0, "kv_cache_memory_gib must be positive")
+            num_blocks = int(self.kv_cache_memory_gib * 2**30) // bytes_per_block
+        return EngineConfig(
+            model=self.model,
+            dtype=resolve_dtype_name(self.dtype),
+            device=resolve_device_name(self.device),
+            seed=self.seed,
+            scheduler=SchedulerConfig(
+                max_num_seqs=self.max_num_seqs,
+                max_num_batched_tokens=max_batched,
+                max_model_len=max_model_len,
+                enable_chunked_prefill=self.enable_chunked_prefill,
+            ),
+            cache=CacheConfig(
+                block_size=self.block_size,
+                num_blocks=num_blocks,
+                enable_prefix_caching=self.enable_prefix_caching,
+            ),
+        )
+
+
+def resolve_dtype_name(dtype: str) -> str:
+    if dtype == "auto":
+        return "bfloat16"
+    aliases = {"bf16": "bfloat16", "fp32": "float32", "float": "float32", "fp16": "float16", "half": "float16"}
+    name = aliases.get(dtype, dtype)
+    _require(name in DTYPES, f"dtype must be auto or one of {', '.join(DTYPES)}, got {dtype!r}")
+    return name
+
+
+def resolve_device_name(device: str) -> str:
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"

@@ -1,0 +1,222 @@
+"""One engine instance: model, KV cache, scheduler, runner, and the step loop.
+
+    plan = scheduler.schedule(); out = runner.execute(plan); scheduler.update(plan, out)
+
+A request with ``n > 1`` becomes n sequences; sequences 1..n-1 wait until sequence 0 has
+computed the prompt, then find its prompt blocks in the prefix cache.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from epdserve.config import EngineArgs, EngineConfig, resolve_device_name, resolve_dtype_name
+from epdserve.engine.detokenizer import IncrementalDetokenizer
+from epdserve.engine.kv_cache import KVCacheManager, make_group_specs
+from epdserve.engine.runner import ModelRunner
+from epdserve.engine.sampler import TokenLogprobs
+from epdserve.engine.scheduler import Scheduler
+from epdserve.errors import InvalidRequestError
+from epdserve.models.loader import LoadedModel, load_model
+from epdserve.request import EventType, Request, RequestStatus
+from epdserve.sampling import SamplingParams
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one sequence of a request (deltas)."""
+
+    request_id: str
+    index: int  # which of the request's n sequences
+    new_text: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs]
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+
+
+@dataclass
+class Completion:
+    """A whole sequence, as ``LLMEngine.generate`` returns it."""
+
+    request_id: str
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class _Sequence:
+    parent_id: str
+    index: int
+    request: Request
+    detokenizer: IncrementalDetokenizer
+
+
+class LLMEngine:
+    def __init__(self, args: EngineArgs, loaded: LoadedModel | None = None) -> None:
+        dtype = getattr(torch, resolve_dtype_name(args.dtype))
+        device = torch.device(resolve_device_name(args.device))
+        self.loaded = loaded or load_model(args.model, dtype, device)
+        spec = self.loaded.spec
+        self.tokenizer = self.loaded.tokenizer
+        groups = make_group_specs(spec.sliding_windows, spec.num_kv_heads, spec.head_dim)
+        dtype_bytes = torch.tensor([], dtype=dtype).element_size()
+        bytes_per_block = sum(g.bytes_per_block(args.block_size, dtype_bytes) for g in groups)
+        self.config: EngineConfig = args.resolve(spec.max_position_embeddings, bytes_per_block)
+        cache = self.config.cache
+        self.kv_cache = KVCacheManager(groups, cache.num_blocks, cache.block_size, cache.enable_prefix_caching)
+        self.scheduler = Scheduler(self.config.scheduler, self.kv_cache)
+        self.runner = ModelRunner(
+            self.loaded.model, groups, spec.num_layers, cache.num_blocks, cache.block_size,
+            dtype, device, self.config.seed,
+        )
+        self._sequences: dict[str, _Sequence] = {}
+        self._children: dict[str, list[str]] = {}
+        self._ids = itertools.count()
+
+    @property
+    def max_model_len(self) -> int:
+        return self.config.scheduler.max_model_len
+
+    # -- requests ------------------------------------------------------------------------
+    def encode_prompt(self, prompt: str, chat: bool = False) -> list[int]:
+        if not prompt:
+            raise InvalidRequestError("prompt must not be empty")
+        if chat:
+            text = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+            return self.tokenizer.encode(text, add_special_tokens=False)
+        return self.tokenizer.encode(prompt)
+
+    def validate_prompt(self, prompt_token_ids: list[int]) -> None:
+        num = len(prompt_token_ids)
+        if num == 0:
+            raise InvalidRequestError("prompt must not be empty")
+        if num >= self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt has {num} tokens, but max_model_len is {self.max_model_len} "
+                "(prompt plus at least one output token must fit)"
+            )
+        vocab = self.loaded.spec.vocab_size
+        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary (size {vocab})")
+        num_blocks_needed = self.kv_cache.num_blocks_for(num + 1)
+        if num_blocks_needed > self.kv_cache.num_blocks - 1:
+            raise InvalidRequestError(
+                f"prompt needs {num_blocks_needed} KV blocks, the cache has {self.kv_cache.num_blocks - 1}"
+            )
+
+    def add_request(
+        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None
+    ) -> str:
+        self.validate_prompt(prompt_token_ids)
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id in self._children:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        child_ids = []
+        for index in range(params.n):
+            child_params = params
+            if params.n > 1 and params.seed is not None:
+                child_params = replace(params, seed=params.seed + index)
+            child_id = request_id if params.n == 1 else f"{request_id}#{index}"
+            request = Request(
+                child_id,
+                list(prompt_token_ids),
+                child_params,
+                eos_token_ids=self.tokenizer.eos_token_ids,
+                wait_for_request_id=child_ids[0] if child_ids else None,
+            )
+            request.record(EventType.ARRIVED)
+            self._sequences[child_id] = _Sequence(
+                request_id, index, request, IncrementalDetokenizer(self.tokenizer, child_params)
+            )
+            self.scheduler.add_request(request)
+            child_ids.append(child_id)
+        self._children[request_id] = child_ids
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        for child_id in self._children.pop(request_id, []):
+            self.scheduler.finish_request(child_id, RequestStatus.FINISHED_ABORTED)
+            self._sequences.pop(child_id, None)
+            self.runner.release(child_id)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the loop ------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        if plan.is_empty:
+            return []
+        for entry in plan.scheduled:
+            if entry.start_pos == entry.request.num_cached_tokens and not entry.request.output_token_ids:
+                entry.request.record(EventType.PREFILL_START)
+        out = self.runner.execute(plan)
+        self.scheduler.update(plan, out.sampled_token_ids)
+        outputs = []
+        for entry in plan.scheduled:
+            request = entry.request
+            token_id = out.sampled_token_ids.get(request.request_id)
+            if token_id is None:
+                continue
+            if len(request.output_token_ids) == 1:
+                request.record(EventType.PREFILL_END)
+                request.record(EventType.FIRST_TOKEN)
+            outputs.append(self._process_token(request, token_id, out.logprobs.get(request.request_id)))
+        return outputs
+
+    def _process_token(self, request: Request, token_id: int, logprob: TokenLogprobs | None) -> RequestOutput:
+        seq = self._sequences[request.request_id]
+        result = seq.detokenizer.add_token(token_id, is_last=request.is_finished)
+        if result.stopped and not request.is_finished:
+            self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
+        if request.is_finished:
+            request.record(EventType.FINISHED)
+            self._forget(seq)
+        return RequestOutput(
+            request_id=seq.parent_id,
+            index=seq.index,
+            new_text=result.new_text,
+            new_token_ids=[token_id],
+            new_logprobs=[logprob] if logprob is not None else [],
+            finished=request.is_finished,
+            finish_reason=request.status.finish_reason,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_cached_tokens=request.num_cached_tokens,
+        )
+
+    def _forget(self, seq: _Sequence) -> None:
+        self._sequences.pop(seq.request.request_id, None)
+        self.runner.release(seq.request.request_id)
+        siblings = self._children.get(seq.parent_id, [])
+        if all(s not in self._sequences for s in siblings):
+            self._children.pop(seq.parent_id, None)
+
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
+    ) -> list[list[Completion]]:
+        """Run every prompt to completion, batched; one list of n completions per prompt."""
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params_list)]
+        results = {rid: [Completion(rid, i) for i in range(sp.n)] for rid, sp in zip(ids, params_list)}
+        while self.has_unfinished():
+            for out in self.step():
+                c = results[out.request_id][out.index]
+                c.text += out.new_text
+                c.token_ids += out.new_token_ids
+                c.logprobs += out.new_logprobs
+                c.finish_reason = out.finish_reason
+                c.num_prompt_tokens = out.num_prompt_tokens
+                c.num_cached_tokens = out.num_cached_tokens
+        return [results[rid] for rid in ids]

@@ -1,0 +1,331 @@
+"""KV cache bookkeeping: typed groups, paged block pools, prefix cache.
+
+Plain Python (ints and lists, no torch): the simulator drives this same code.
+
+A model's layers fall into groups by attention kind; each group has its own spec and its own
+block pool, and a request holds one block table per group. Block ids are per group. Block 0
+of every pool is the null block: it is never allocated and stands in a block table for
+blocks that a sliding-window group has already released.
+
+Token ranges of one request in one group (block size 4, sliding window 6)::
+
+    positions  0 1 2 3 | 4 5 6 7 | 8 9 . .
+    full       [blk 7 ] [blk 3  ] [blk 9  ]
+    sliding    [null  ] [blk 2  ] [blk 5  ]   next query at 10 needs positions 5..10
+
+Prefix caching: a full block is named by a chained hash of its tokens and its parent's hash.
+Cached blocks whose reference count drops to zero stay in the free queue, evicted in LRU
+order when a new block is needed. Prefix reuse needs every group's state for the prefix,
+so it is disabled for models with a group that cannot be rebuilt from a prefix (sliding
+window or recurrent state).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+from dataclasses import dataclass
+
+NULL_BLOCK = 0
+
+
+@dataclass(frozen=True)
+class KVCacheGroupSpec:
+    group_id: int
+    kind: str  # "full" | "sliding"
+    layer_ids: tuple[int, ...]
+    num_kv_heads: int
+    head_dim: int
+    sliding_window: int | None = None  # tokens; a query at p sees p-W+1 .. p
+
+    @property
+    def is_prefix_cacheable(self) -> bool:
+        return self.kind == "full"
+
+    def bytes_per_block(self, block_size: int, dtype_bytes: int) -> int:
+        """K and V of every layer of the group for one block."""
+        per_layer = 2 * block_size * self.num_kv_heads * self.head_dim * dtype_bytes
+        return per_layer * len(self.layer_ids)
+
+
+def make_group_specs(
+    sliding_windows: tuple[int | None, ...], num_kv_heads: int, head_dim: int
+) -> list[KVCacheGroupSpec]:
+    """Group layers by attention kind: full attention first, then one group per window."""
+    windows = sorted({w for w in sliding_windows if w is not None})
+    kinds: list[int | None] = ([None] if None in sliding_windows else []) + windows
+    specs = []
+    for group_id, window in enumerate(kinds):
+        layer_ids = tuple(i for i, w in enumerate(sliding_windows) if w == window)
+        kind = "full" if window is None else "sliding"
+        specs.append(KVCacheGroupSpec(group_id, kind, layer_ids, num_kv_heads, head_dim, window))
+    return specs
+
+
+def hash_block(parent: bytes | None, token_ids: list[int], extra: bytes = b"") -> bytes:
+    digest = hashlib.blake2b(digest_size=16)
+    digest.update(parent or b"root")
+    digest.update(array("q", token_ids).tobytes())
+    digest.update(extra)
+    return digest.digest()
+
+
+class BlockPool:
+    """One group's blocks: reference counts, LRU free queue, hash -> cached block."""
+
+    def __init__(self, num_blocks: int, enable_caching: bool) -> None:
+        if num_blocks < 2:
+            raise ValueError(f"a block pool needs at least 2 blocks, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.ref_counts = [0] * num_blocks
+        self.block_hashes: list[bytes | None] = [None] * num_blocks
+        self.cached: dict[bytes, int] = {}
+        # Free blocks in eviction order (front first); block 0 is the null block, never free.
+        self.free_queue: OrderedDict[int, None] = OrderedDict((b, None) for b in range(1, num_blocks))
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - 1 - len(self.free_queue)
+
+    def lookup(self, block_hash: bytes) -> int | None:
+        return self.cached.get(block_hash)
+
+    def allocate(self, num_blocks: int) -> list[int]:
+        if num_blocks > len(self.free_queue):
+            raise RuntimeError(f"asked for {num_blocks} blocks, {len(self.free_queue)} free")
+        block_ids = []
+        for _ in range(num_blocks):
+            block_id, _ = self.free_queue.popitem(last=False)
+            self._evict(block_id)
+            self.ref_counts[block_id] = 1
+            block_ids.append(block_id)
+        return block_ids
+
+    def touch(self, block_ids: list[int]) -> None:
+        """Take a reference on cached blocks (a prefix-cache hit)."""
+        for block_id in block_ids:
+            if self.ref_counts[block_id] == 0:
+                del self.free_queue[block_id]
+            self.ref_counts[block_id] += 1
+
+    def free(self, block_ids: list[int]) -> None:
+        """Drop one reference each; the last blocks of a sequence are evicted first."""
+        for block_id in reversed(block_ids):
+            if block_id == NULL_BLOCK:
+                continue
+            self.ref_counts[block_id] -= 1
+            assert self.ref_counts[block_id] >= 0, f"block {block_id} freed twice"
+            if self.ref_counts[block_id] == 0:
+                if self.block_hashes[block_id] is None:
+                    self.free_queue[block_id] = None
+                    self.free_queue.move_to_end(block_id, last=False)
+                else:
+                    self.free_queue[block_id] = None
+
+    def cache_block(self, block_id: int, block_hash: bytes) -> None:
+        if not self.enable_caching or self.block_hashes[block_id] is not None:
+            return
+        if block_hash in self.cached:
+            return  # the same content already lives in another block
+        self.block_hashes[block_id] = block_hash
+        self.cached[block_hash] = block_id
+
+    def count_evictable(self, block_ids: list[int]) -> int:
+        """How many of these (hit) blocks currently sit in the free queue."""
+        return sum(1 for b in block_ids if self.ref_counts[b] == 0)
+
+    def reset_prefix_cache(self) -> None:
+        for block_hash, block_id in list(self.cached.items()):
+            if self.ref_counts[block_id] == 0:
+                self._evict(block_id)
+
+    def _evict(self, block_id: int) -> None:
+        block_hash = self.block_hashes[block_id]
+        if block_hash is not None:
+            del self.cached[block_hash]
+            self.block_hashes[block_id] = None
+
+
+@dataclass(frozen=True)
+class PrefixHit:
+    num_tokens: int
+    block_ids: tuple[tuple[int, ...], ...]  # per group
+
+    @classmethod
+    def empty(cls, num_groups: int) -> PrefixHit:
+        return cls(0, tuple(() for _ in range(num_groups)))
+
+
+@dataclass
+class _RequestBlocks:
+    tables: list[list[int]]  # per group
+    hashes: list[bytes]  # chained hashes of this request's full blocks, in order
+    num_cached_blocks: int = 0  # leading full blocks already registered in the prefix cache
+
+
+class KVCacheManager:
+    def __init__(
+        self,
+        groups: list[KVCacheGroupSpec],
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+    ) -> None:
+        self.groups = groups
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.enable_prefix_caching = enable_prefix_caching and all(
+            g.is_prefix_cacheable for g in groups
+        )
+        self.pools = [BlockPool(num_blocks, self.enable_prefix_caching) for _ in groups]
+        self._requests: dict[str, _RequestBlocks] = {}
+
+    # -- queries -------------------------------------------------------------------------
+    def block_tables(self, request_id: str) -> list[list[int]]:
+        return self._requests[request_id].tables
+
+    def num_free_blocks(self) -> int:
+        """Free blocks of the scarcest group."""
+        return min(pool.num_free_blocks for pool in self.pools)
+
+    def num_used_blocks(self) -> int:
+        return max(pool.num_used_blocks for pool in self.pools)
+
+    def usage(self) -> float:
+        return self.num_used_blocks() / (self.num_blocks - 1)
+
+    def is_all_free(self) -> bool:
+        """No request holds a block and every reference count is zero (a leak check)."""
+        return not self._requests and all(
+            pool.num_free_blocks == pool.num_blocks - 1 and not any(pool.ref_counts)
+            for pool in self.pools
+        )
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # -- prefix cache --------------------------------------------------------------------
+    def find_cached_prefix(self, request_id: str, token_ids: list[int]) -> PrefixHit:
+        """Longest cached prefix of whole blocks, leaving at least one token to compute."""
+        if not self.enable_prefix_caching:
+            return PrefixHit.empty(len(self.groups))
+        max_blocks = (len(token_ids) - 1) // self.block_size
+        hashes = self._full_block_hashes(request_id, token_ids, max_blocks)
+        per_group: list[list[int]] = [[] for _ in self.groups]
+        for block_hash in hashes[:max_blocks]:
+            hits = [pool.lookup(block_hash) for pool in self.pools]
+            if any(h is None for h in hits):
+                break
+            for group_blocks, block_id in zip(per_group, hits):
+                group_blocks.append(block_id)
+        num_blocks = len(per_group[0])
+        return PrefixHit(num_blocks * self.block_size, tuple(tuple(b) for b in per_group))
+
+    def _full_block_hashes(self, request_id: str, token_ids: list[int], num_blocks: int) -> list[bytes]:
+        entry = self._requests.get(request_id)
+        hashes = entry.hashes if entry else []
+        bs = self.block_size
+        while len(hashes) < num_blocks:
+            i = len(hashes)
+            parent = hashes[-1] if hashes else None
+            hashes.append(hash_block(parent, token_ids[i * bs : (i + 1) * bs]))
+        return hashes
+
+    def cache_computed_blocks(self, request_id: str, token_ids: list[int], num_computed: int) -> None:
+        """Register the request's blocks that are now full of computed tokens."""
+        if not self.enable_prefix_caching:
+            return
+        entry = self._requests[request_id]
+        num_full = num_computed // self.block_size
+        if num_full <= entry.num_cached_blocks:
+            return
+        hashes = self._full_block_hashes(request_id, token_ids, num_full)
+        for group_id, pool in enumerate(self.pools):
+            table = entry.tables[group_id]
+            for i in range(entry.num_cached_blocks, num_full):
+                pool.cache_block(table[i], hashes[i])
+        entry.num_cached_blocks = num_full
+
+    # -- allocation ----------------------------------------------------------------------
+    def can_allocate(
+        self, request_id: str, num_computed: int, num_new_tokens: int, hit: PrefixHit | None = None
+    ) -> bool:
+        return all(
+            need <= pool.num_free_blocks
+            for need, pool in zip(self._blocks_needed(request_id, num_computed, num_new_tokens, hit), self.pools)
+        )
+
+    def allocate(
+        self, request_id: str, num_computed: int, num_new_tokens: int, hit: PrefixHit | None = None
+    ) -> bool:
+        """Make room for tokens num_computed .. num_computed+num_new_tokens-1.
+
+        ``num_computed`` counts tokens already in the cache, including a prefix hit being
+        applied now. Returns False and changes nothing when a pool is short of blocks.
+        """
+        if not self.can_allocate(request_id, num_computed, num_new_tokens, hit):
+            return False
+        entry = self._requests.get(request_id)
+        if entry is None:
+            entry = _RequestBlocks([[] for _ in self.groups], [])
+            self._requests[request_id] = entry
+        for group_id, pool in enumerate(self.pools):
+            table = entry.tables[group_id]
+            if hit is not None and hit.block_ids[group_id]:
+                pool.touch(list(hit.block_ids[group_id]))
+                table.extend(hit.block_ids[group_id])
+            self._release_out_of_window(group_id, table, num_computed)
+            num_missing = self.num_blocks_for(num_computed + num_new_tokens) - len(table)
+            if num_missing > 0:
+                table.extend(pool.allocate(num_missing))
+        if hit is not None and hit.num_tokens:
+            entry.num_cached_blocks = max(entry.num_cached_blocks, hit.num_tokens // self.block_size)
+        return True
+
+    def _blocks_needed(
+        self, request_id: str, num_computed: int, num_new_tokens: int, hit: PrefixHit | None
+    ) -> list[int]:
+        """Blocks each pool must hand out, net of blocks leaving a sliding window."""
+        entry = self._requests.get(request_id)
+        total = self.num_blocks_for(num_computed + num_new_tokens)
+        needs = []
+        for group_id, pool in enumerate(self.pools):
+            hit_blocks = list(hit.block_ids[group_id]) if hit is not None else []
+            table = (entry.tables[group_id] if entry else []) + hit_blocks
+            num_dead = min(self._num_out_of_window(group_id, num_computed), len(table))
+            num_released = sum(1 for b in table[:num_dead] if b != NULL_BLOCK)
+            num_missing = max(0, total - len(table))
+            needs.append(num_missing + pool.count_evictable(hit_blocks) - num_released)
+        return needs
+
+    def _num_out_of_window(self, group_id: int, num_computed: int) -> int:
+        """Leading blocks no query at position >= num_computed can see."""
+        window = self.groups[group_id].sliding_window
+        if window is None:
+            return 0
+        first_visible = max(0, num_computed - window + 1)
+        return first_visible // self.block_size
+
+    def _release_out_of_window(self, group_id: int, table: list[int], num_computed: int) -> None:
+        num_dead = min(self._num_out_of_window(group_id, num_computed), len(table))
+        dead = [b for b in table[:num_dead] if b != NULL_BLOCK]
+        if dead:
+            self.pools[group_id].free(dead)
+            table[:num_dead] = [NULL_BLOCK] * num_dead
+
+    def free(self, request_id: str) -> None:
+        entry = self._requests.pop(request_id, None)
+        if entry is None:
+            return
+        for pool, table in zip(self.pools, entry.tables):
+            pool.free(table)
+
+    def reset_prefix_cache(self) -> None:
+        for pool in self.pools:
+            pool.reset_prefix_cache()

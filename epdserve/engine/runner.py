@@ -1,0 +1,122 @@
+"""Runs one scheduled step on the model: packs tokens, addresses the KV pages, samples.
+
+The KV cache of each layer is one tensor ``[2, num_blocks, block_size, num_kv_heads,
+head_dim]`` (K then V); block ids index it directly, so the scheduler's block tables are the
+addresses. The cache starts zeroed: the null block and unwritten slots hold finite values that
+attention masks out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from epdserve.engine.kv_cache import KVCacheGroupSpec
+from epdserve.engine.sampler import Sampler, SampleResult, TokenLogprobs
+from epdserve.engine.scheduler import ScheduledRequest, SchedulerOutput
+from epdserve.models.layers.attention import AttentionMetadata, GroupAttentionMetadata, forward_context
+
+
+@dataclass(frozen=True)
+class RunnerOutput:
+    sampled_token_ids: dict[str, int]
+    logprobs: dict[str, TokenLogprobs]
+    num_tokens: int
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        groups: list[KVCacheGroupSpec],
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        seed: int = 0,
+    ) -> None:
+        self.model = model
+        self.groups = groups
+        self.block_size = block_size
+        self.device = device
+        self.layer_to_group = [0] * num_layers
+        self.kv_caches: list[torch.Tensor] = [torch.empty(0)] * num_layers
+        for group in groups:
+            for layer in group.layer_ids:
+                self.layer_to_group[layer] = group.group_id
+                shape = (2, num_blocks, block_size, group.num_kv_heads, group.head_dim)
+                self.kv_caches[layer] = torch.zeros(shape, dtype=dtype, device=device)
+        self.sampler = Sampler(seed, device)
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.kv_caches)
+
+    @torch.inference_mode()
+    def execute(self, plan: SchedulerOutput) -> RunnerOutput:
+        # Single-token entries first: attention runs them as one batch.
+        entries = sorted(plan.scheduled, key=lambda e: e.num_new_tokens != 1)
+        num_decode = sum(1 for e in entries if e.num_new_tokens == 1)
+        input_ids: list[int] = []
+        positions: list[int] = []
+        for e in entries:
+            input_ids += e.request.token_ids_slice(e.start_pos, e.start_pos + e.num_new_tokens)
+            positions += range(e.start_pos, e.start_pos + e.num_new_tokens)
+        meta = self._metadata(entries, num_decode)
+        ids_t = torch.tensor(input_ids, dtype=torch.long, device=self.device)
+        pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
+        with forward_context(meta):
+            hidden = self.model(ids_t, pos_t)
+
+        sample_rows, sample_entries, offset = [], [], 0
+        for e in entries:
+            offset += e.num_new_tokens
+            if e.will_sample:
+                sample_rows.append(offset - 1)
+                sample_entries.append(e)
+        sampled: dict[str, int] = {}
+        logprobs: dict[str, TokenLogprobs] = {}
+        if sample_rows:
+            logits = self.model.compute_logits(hidden[sample_rows])
+            result: SampleResult = self.sampler(logits, [e.request for e in sample_entries])
+            for e, token_id, lp in zip(sample_entries, result.token_ids, result.logprobs):
+                sampled[e.request.request_id] = token_id
+                if lp is not None:
+                    logprobs[e.request.request_id] = lp
+        return RunnerOutput(sampled, logprobs, len(input_ids))
+
+    def _metadata(
+        self, entries: list[ScheduledRequest], num_decode: int
+    ) -> AttentionMetadata:
+        bs = self.block_size
+        context_lens = [e.start_pos + e.num_new_tokens for e in entries]
+        max_blocks = max(-(-n // bs) for n in context_lens)
+        groups = []
+        for group in self.groups:
+            gid = group.group_id
+            slots: list[int] = []
+            for e in entries:
+                table = e.block_tables[gid]
+                slots += [table[p // bs] * bs + p % bs for p in range(e.start_pos, e.start_pos + e.num_new_tokens)]
+            padded = [e.block_tables[gid][:max_blocks] + [0] * (max_blocks - len(e.block_tables[gid][:max_blocks])) for e in entries]
+            groups.append(
+                GroupAttentionMetadata(
+                    slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
+                    block_tables=torch.tensor(padded, dtype=torch.long, device=self.device),
+                )
+            )
+        return AttentionMetadata(
+            num_decode_seqs=num_decode,
+            query_lens=[e.num_new_tokens for e in entries],
+            context_lens=context_lens,
+            decode_context_lens=torch.tensor(context_lens[:num_decode], dtype=torch.long, device=self.device),
+            block_size=bs,
+            groups=groups,
+            layer_to_group=self.layer_to_group,
+            kv_caches=self.kv_caches,
+        )
+
+    def release(self, request_id: str) -> None:
+        self.sampler.release(request_id)

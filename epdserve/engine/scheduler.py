@@ -1,0 +1,197 @@
+"""Continuous batching with chunked prefill, preemption by recompute and prefix caching.
+
+Plain Python (no torch): the simulator drives this same class with modelled step times.
+
+One step spends a token budget (``max_num_batched_tokens``): running requests first, in
+arrival order (one token each when decoding, the next chunk when their prompt is still being
+computed), then waiting requests in arrival order. When a running request cannot get blocks,
+the most recently admitted running request is preempted: its blocks are freed and it goes
+back to the front of the queue, to be recomputed (its full blocks are likely still in the
+prefix cache).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from epdserve.config import SchedulerConfig
+from epdserve.engine.kv_cache import KVCacheManager
+from epdserve.request import EventType, Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    start_pos: int  # first position computed this step (tokens before it are in the cache)
+    num_new_tokens: int
+    block_tables: list[list[int]]  # per group, the request's whole table (shared, not a copy)
+    will_sample: bool  # the step computes the request's last known token: a new token follows
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager) -> None:
+        self.config = config
+        self.kv_cache = kv_cache
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_computed_prompt_tokens = 0  # prompt tokens actually run through the model
+        self.num_preemptions = 0
+
+    # -- queue ---------------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
+        """Stop a request (abort, stop string) and free its blocks; None if unknown."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        request.status = status
+        self.kv_cache.free(request_id)
+        return request
+
+    # -- one step ------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = self._num_tokens_to_compute(request, budget)
+            if num_new == 0:
+                i += 1
+                continue
+            while not self.kv_cache.allocate(request.request_id, request.num_computed_tokens, num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted_ids.append(victim.request_id)
+                if victim is request:
+                    break
+            else:
+                out.scheduled.append(self._entry(request, num_new))
+                budget -= num_new
+                i += 1
+        if not out.preempted_ids:
+            self._admit_waiting(out, budget)
+        return out
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        blocked: list[Request] = []
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            leader = request.wait_for_request_id
+            if leader is not None and self._is_prompt_pending(leader):
+                blocked.append(self.waiting.popleft())
+                continue
+            hit = self.kv_cache.find_cached_prefix(request.request_id, request.all_token_ids)
+            num_computed = hit.num_tokens
+            num_new = self._num_tokens_to_compute(request, budget, num_computed)
+            if num_new == 0:
+                break
+            if not self.kv_cache.allocate(request.request_id, num_computed, num_new, hit):
+                break
+            self.waiting.popleft()
+            request.num_computed_tokens = num_computed
+            request.num_cached_tokens = num_computed
+            request.status = RequestStatus.RUNNING
+            request.record(EventType.SCHEDULED)
+            self.running.append(request)
+            out.scheduled.append(self._entry(request, num_new))
+            budget -= num_new
+        self.waiting.extendleft(reversed(blocked))
+
+    def _is_prompt_pending(self, request_id: str) -> bool:
+        leader = self.requests.get(request_id)
+        return leader is not None and leader.num_computed_tokens < leader.num_prompt_tokens
+
+    def _num_tokens_to_compute(self, request: Request, budget: int, num_computed: int | None = None) -> int:
+        computed = request.num_computed_tokens if num_computed is None else num_computed
+        remaining = request.num_tokens - computed
+        if remaining <= budget:
+            return remaining
+        return budget if self.config.enable_chunked_prefill else 0
+
+    def _entry(self, request: Request, num_new: int) -> ScheduledRequest:
+        tables = self.kv_cache.block_tables(request.request_id)
+        start = request.num_computed_tokens
+        will_sample = start + num_new == request.num_tokens
+        return ScheduledRequest(request, start, num_new, tables, will_sample)
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache.free(request.request_id)
+        request.status = RequestStatus.WAITING
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        request.record(EventType.PREEMPTED)
+        self.waiting.appendleft(request)
+
+    # -- after the step ------------------------------------------------------------------
+    def update(self, out: SchedulerOutput, sampled_token_ids: dict[str, int]) -> list[Request]:
+        """Advance computed counts, append sampled tokens, finish what stops; returns those."""
+        finished = []
+        for entry in out.scheduled:
+            request = entry.request
+            if request.is_finished or request.request_id not in self.requests:
+                continue
+            if entry.start_pos < request.num_prompt_tokens:
+                self.num_computed_prompt_tokens += (
+                    min(entry.start_pos + entry.num_new_tokens, request.num_prompt_tokens) - entry.start_pos
+                )
+            request.num_computed_tokens += entry.num_new_tokens
+            self.kv_cache.cache_computed_blocks(
+                request.request_id, request.all_token_ids, request.num_computed_tokens
+            )
+            token_id = sampled_token_ids.get(request.request_id)
+            if token_id is None:
+                continue
+            request.output_token_ids.append(token_id)
+            status = self._check_stop(request, token_id)
+            if status is not None:
+                self.finish_request(request.request_id, status)
+                finished.append(request)
+        return finished
+
+    def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
+        params = request.sampling
+        num_output = len(request.output_token_ids)
+        if num_output >= params.min_tokens:
+            if not params.ignore_eos and token_id in request.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if token_id in params.stop_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+        if num_output >= params.max_tokens or request.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None

@@ -1,0 +1,26 @@
+"""Environment variables read by epdserve. This is the only module that reads them.
+
+Values are read at call time, not import time, so a process (or a test) that sets a
+variable before loading a model sees the new value.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+EPDSERVE_CACHE_DIR = "EPDSERVE_CACHE_DIR"
+
+
+def get_cache_dir() -> Path:
+    """Root of epdserve's on-disk caches (converted model weights, tokenizers).
+
+    ``$EPDSERVE_CACHE_DIR`` when set and non-empty, else ``$XDG_CACHE_HOME/epdserve``,
+    else ``~/.cache/epdserve``. The directory is not created here.
+    """
+    configured = os.environ.get(EPDSERVE_CACHE_DIR, "").strip()
+    if configured:
+        return Path(configured).expanduser()
+    xdg_cache = os.environ.get("XDG_CACHE_HOME", "").strip()
+    base = Path(xdg_cache).expanduser() if xdg_cache else Path.home() / ".cache"
+    return base / "epdserve"

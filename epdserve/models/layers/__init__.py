@@ -1,0 +1,2 @@
+"""Building blocks of the models: tensor-parallel linear and embedding layers, norms,
+rotary embedding, gated activations and paged attention."""

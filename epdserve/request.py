@@ -1,0 +1,96 @@
+"""A request's state as the scheduler and engine see it.
+
+Token ids only, no tensors: the scheduler and the simulator share this module.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from epdserve.sampling import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in (
+            RequestStatus.FINISHED_STOPPED,
+            RequestStatus.FINISHED_LENGTH,
+            RequestStatus.FINISHED_ABORTED,
+        )
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.value if self.is_finished else None
+
+
+class EventType(enum.Enum):
+    """One vocabulary of lifecycle events, shared by engine and simulator."""
+
+    ARRIVED = "arrived"
+    ADMITTED = "admitted"
+    SCHEDULED = "scheduled"
+    PREEMPTED = "preempted"
+    PREFILL_START = "prefill_start"
+    PREFILL_END = "prefill_end"
+    FIRST_TOKEN = "first_token"
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    eos_token_ids: tuple[int, ...] = ()
+    arrival_time: float = field(default_factory=time.monotonic)  # seconds, monotonic
+    # A request that must not start before another has computed its prompt (n > 1 siblings
+    # wait for the first so that they hit its prompt blocks in the prefix cache).
+    wait_for_request_id: str | None = None
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache on the last admission
+    num_preemptions: int = 0
+    events: list[tuple[EventType, float]] = field(default_factory=list)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def token_ids_slice(self, start: int, end: int) -> list[int]:
+        num_prompt = len(self.prompt_token_ids)
+        if end <= num_prompt:
+            return self.prompt_token_ids[start:end]
+        if start >= num_prompt:
+            return self.output_token_ids[start - num_prompt : end - num_prompt]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - num_prompt]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def record(self, event: EventType, when: float | None = None) -> None:
+        self.events.append((event, time.monotonic() if when is None else when))
+
+    def first_event_time(self, event: EventType) -> float | None:
+        for kind, when in self.events:
+            if kind is event:
+                return when
+        return None

@@ -1,0 +1,66 @@
+"""Per-request sampling parameters, validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from epdserve.errors import InvalidRequestError
+
+# Temperatures below this are treated as greedy (argmax).
+GREEDY_EPSILON = 1e-5
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    n: int = 1
+    max_tokens: int = 16
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: no top-k filtering
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None  # number of top alternatives to return with each token
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    extra: dict = field(default_factory=dict, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        else:
+            object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if self.top_k == -1:
+            object.__setattr__(self, "top_k", 0)
+        checks = [
+            (self.n >= 1, f"n must be at least 1, got {self.n}"),
+            (self.max_tokens >= 1, f"max_tokens must be at least 1, got {self.max_tokens}"),
+            (self.min_tokens >= 0, f"min_tokens must be non-negative, got {self.min_tokens}"),
+            (
+                self.min_tokens <= self.max_tokens,
+                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})",
+            ),
+            (self.temperature >= 0.0, f"temperature must be non-negative, got {self.temperature}"),
+            (0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}"),
+            (self.top_k >= 0, f"top_k must be -1, 0 or positive, got {self.top_k}"),
+            (
+                self.repetition_penalty > 0.0,
+                f"repetition_penalty must be positive, got {self.repetition_penalty}",
+            ),
+            (
+                self.logprobs is None or 0 <= self.logprobs <= 20,
+                f"logprobs must be between 0 and 20, got {self.logprobs}",
+            ),
+            (all(s for s in self.stop), "stop strings must not be empty"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise InvalidRequestError(message)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < GREEDY_EPSILON

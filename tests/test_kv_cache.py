@@ -1,0 +1,153 @@
+"""Block pool, typed groups and prefix cache invariants (plain Python, no model)."""
+
+import pytest
+
+from epdserve.engine.kv_cache import NULL_BLOCK, BlockPool, KVCacheManager, make_group_specs
+
+
+def full_only(num_blocks=16, block_size=4, caching=True) -> KVCacheManager:
+    groups = make_group_specs((None, None), num_kv_heads=1, head_dim=8)
+    return KVCacheManager(groups, num_blocks, block_size, caching)
+
+
+def test_group_specs_split_by_window():
+    windows = (8, 8, None, 8, None)
+    groups = make_group_specs(windows, num_kv_heads=2, head_dim=4)
+    assert [(g.kind, g.layer_ids, g.sliding_window) for g in groups] == [
+        ("full", (2, 4), None),
+        ("sliding", (0, 1, 3), 8),
+    ]
+    assert groups[0].is_prefix_cacheable and not groups[1].is_prefix_cacheable
+    assert groups[1].bytes_per_block(16, 2) == 3 * 2 * 16 * 2 * 4 * 2
+
+
+def test_pool_never_hands_out_null_block_and_counts():
+    pool = BlockPool(4, enable_caching=False)
+    blocks = pool.allocate(3)
+    assert NULL_BLOCK not in blocks and pool.num_free_blocks == 0
+    with pytest.raises(RuntimeError):
+        pool.allocate(1)
+    pool.free(blocks)
+    assert pool.num_free_blocks == 3 and not any(pool.ref_counts)
+
+
+def test_allocate_grows_table_and_refuses_when_short():
+    kv = full_only(num_blocks=5, block_size=4)  # 4 usable blocks
+    assert kv.allocate("a", 0, 6)
+    assert len(kv.block_tables("a")[0]) == 2
+    assert kv.allocate("a", 6, 2)  # fills block 2 exactly
+    assert len(kv.block_tables("a")[0]) == 2
+    assert kv.allocate("a", 8, 1)
+    assert len(kv.block_tables("a")[0]) == 3
+    assert not kv.allocate("b", 0, 8)  # needs 2, one left: nothing changes
+    assert kv.num_free_blocks() == 1
+    kv.free("a")
+    assert kv.is_all_free()
+
+
+def test_prefix_hit_shares_blocks_and_leaves_one_token():
+    kv = full_only(num_blocks=16, block_size=4)
+    prompt = list(range(100, 110))  # 10 tokens: 2 full blocks
+    assert kv.find_cached_prefix("a", prompt).num_tokens == 0
+    assert kv.allocate("a", 0, 10)
+    kv.cache_computed_blocks("a", prompt, 10)
+    hit = kv.find_cached_prefix("b", prompt)
+    assert hit.num_tokens == 8
+    assert kv.allocate("b", 8, 2, hit)
+    assert kv.block_tables("b")[0][:2] == kv.block_tables("a")[0][:2]
+    assert kv.block_tables("b")[0][2] != kv.block_tables("a")[0][2]
+    # a prompt of exactly 8 tokens may reuse only 4: one token must be computed
+    assert kv.find_cached_prefix("c", prompt[:8]).num_tokens == 4
+    kv.free("a")
+    kv.free("b")
+    assert kv.is_all_free()
+    # cached blocks survive the free and are hit again
+    assert kv.find_cached_prefix("d", prompt).num_tokens == 8
+
+
+def test_different_prefix_does_not_hit():
+    kv = full_only(num_blocks=16, block_size=4)
+    a = [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    assert kv.allocate("a", 0, len(a))
+    kv.cache_computed_blocks("a", a, len(a))
+    b = [1, 2, 3, 4, 0, 6, 7, 8, 9]
+    assert kv.find_cached_prefix("b", b).num_tokens == 4  # chained: second block differs
+    kv.free("a")
+
+
+def test_lru_eviction_reuses_cached_blocks_last():
+    kv = full_only(num_blocks=5, block_size=2)  # 4 usable
+    p = [1, 2, 3, 4, 5]
+    assert kv.allocate("a", 0, 5)  # 3 blocks
+    kv.cache_computed_blocks("a", p, 5)
+    kv.free("a")
+    assert kv.num_free_blocks() == 4
+    # an unrelated request needing one block takes the uncached one first
+    assert kv.allocate("b", 0, 2)
+    kv.free("b")
+    assert kv.find_cached_prefix("c", p).num_tokens == 4
+    # needing all four evicts the cached ones; their hashes are gone
+    assert kv.allocate("d", 0, 8)
+    assert kv.find_cached_prefix("c", p).num_tokens == 0
+    kv.free("d")
+    assert kv.is_all_free()
+
+
+def test_hit_on_free_cached_blocks_counts_against_capacity():
+    kv = full_only(num_blocks=4, block_size=2)  # 3 usable
+    p = [1, 2, 3, 4, 5]
+    assert kv.allocate("a", 0, 5)
+    kv.cache_computed_blocks("a", p, 5)
+    kv.free("a")
+    hit = kv.find_cached_prefix("b", p)
+    assert hit.num_tokens == 4
+    assert kv.can_allocate("b", 4, 1, hit)
+    assert not kv.can_allocate("b", 4, 3, hit)
+    kv.allocate("b", 4, 1, hit)
+    kv.free("b")
+    assert kv.is_all_free()
+
+
+def test_prefix_caching_disabled_with_sliding_group():
+    groups = make_group_specs((4, None), num_kv_heads=1, head_dim=8)
+    kv = KVCacheManager(groups, 32, 2, enable_prefix_caching=True)
+    assert not kv.enable_prefix_caching
+    p = list(range(10))
+    assert kv.allocate("a", 0, 10)
+    kv.cache_computed_blocks("a", p, 10)
+    assert kv.find_cached_prefix("b", p).num_tokens == 0
+    kv.free("a")
+
+
+def test_sliding_window_releases_blocks_out_of_window():
+    # window 4, block size 2: a query at position p sees p-3..p
+    groups = make_group_specs((4, None), num_kv_heads=1, head_dim=8)
+    kv = KVCacheManager(groups, 32, 2, enable_prefix_caching=False)
+    full, sliding = groups[0].group_id, groups[1].group_id
+    assert kv.allocate("a", 0, 6)  # positions 0..5, next query at 6 sees 3..6
+    assert kv.allocate("a", 6, 1)
+    tables = kv.block_tables("a")
+    assert tables[sliding][0] == NULL_BLOCK and tables[sliding][1] != NULL_BLOCK
+    assert NULL_BLOCK not in tables[full]
+    used_full = kv.pools[full].num_used_blocks
+    used_sliding = kv.pools[sliding].num_used_blocks
+    assert used_sliding == used_full - 1
+    # decode far past the window: the sliding group keeps a bounded number of blocks
+    for pos in range(7, 40):
+        assert kv.allocate("a", pos, 1)
+    assert kv.pools[sliding].num_used_blocks <= 4
+    assert kv.pools[full].num_used_blocks == 20
+    kv.free("a")
+    assert kv.is_all_free()
+
+
+def test_chunk_start_keeps_whole_window_of_first_query():
+    groups = make_group_specs((4,), num_kv_heads=1, head_dim=8)
+    kv = KVCacheManager(groups, 32, 2, enable_prefix_caching=False)
+    assert kv.allocate("a", 0, 5)
+    assert kv.allocate("a", 5, 4)  # chunk of positions 5..8; query 5 needs 2..5
+    table = kv.block_tables("a")[0]
+    assert table[0] == NULL_BLOCK  # positions 0,1
+    assert table[1] != NULL_BLOCK  # positions 2,3 still visible
+    kv.free("a")
+    assert kv.is_all_free()
