@@ -95,6 +95,26 @@ def _generate(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(ns: argparse.Namespace) -> int:
+    import asyncio
+
+    from epdserve.router.serve import serve
+
+    return asyncio.run(serve(ns))
+
+
+def _worker(ns: argparse.Namespace) -> int:
+    from epdserve.cluster.worker import WorkerOptions, run_worker
+
+    cores = tuple(int(c) for c in ns.cores.split(",")) if ns.cores else ()
+    opts = WorkerOptions(
+        role=ns.role, router=ns.router, cores=cores, kv_transport=ns.kv_transport, kv_host=ns.kv_host,
+        layerwise=not ns.no_layerwise, die_with_parent=ns.die_with_parent,
+        **({"worker_id": ns.worker_id} if ns.worker_id else {}),
+    )
+    return run_worker(opts, engine_args_from(ns))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="epdserve", description="Disaggregated LLM serving: encode / prefill / decode.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -112,6 +132,29 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="one JSON object a line per prompt")
     add_engine_args(gen)
     gen.set_defaults(func=_generate)
+
+    from epdserve.router.serve import add_serve_args
+
+    srv = sub.add_parser("serve", help="OpenAI-compatible server over colocated or P/D worker pools")
+    add_serve_args(srv)
+    add_engine_args(srv)
+    srv.set_defaults(func=_serve)
+
+    wrk = sub.add_parser("worker", help="a worker that registers with a running router")
+    wrk.add_argument("--role", required=True, choices=("colocated", "prefill", "decode"))
+    wrk.add_argument("--router", required=True, help="the router's worker socket, tcp://HOST:PORT")
+    wrk.add_argument("--worker-id", default=None)
+    wrk.add_argument("--cores", default="", help="comma-separated CPU cores to pin to")
+    wrk.add_argument("--kv-transport", choices=("shm", "tcp"), default="shm", help="decode: how prefill reaches its KV pages")
+    wrk.add_argument("--kv-host", default="127.0.0.1", help="decode + tcp: address of the KV listener")
+    wrk.add_argument("--no-layerwise", action="store_true", help="prefill: push KV in bulk after prefill")
+    wrk.add_argument("--die-with-parent", action="store_true", help=argparse.SUPPRESS)
+    add_engine_args(wrk)
+    wrk.set_defaults(func=_worker)
+
+    from epdserve.bench.cli import add_bench_parser
+
+    add_bench_parser(sub)
     return parser
 
 

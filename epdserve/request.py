@@ -51,10 +51,15 @@ class Request:
     prompt_token_ids: list[int]
     sampling: SamplingParams
     eos_token_ids: tuple[int, ...] = ()
-    arrival_time: float = field(default_factory=time.monotonic)  # seconds, monotonic
+    arrival_time: float = field(default_factory=time.time)  # seconds since the epoch
     # A request that must not start before another has computed its prompt (n > 1 siblings
     # wait for the first so that they hit its prompt blocks in the prefix cache).
     wait_for_request_id: str | None = None
+    # Prefill worker of a P/D pair: when the request finishes, its blocks stay allocated
+    # until the KV transfer reports done (Scheduler.release_transfer).
+    hold_kv_for_transfer: bool = False
+    kv_target: str | None = None  # decode worker that receives this request's KV
+    kv_target_block_ids: list[list[int]] = field(default_factory=list)  # its blocks, per group
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
@@ -87,7 +92,9 @@ class Request:
         return self.status.is_finished
 
     def record(self, event: EventType, when: float | None = None) -> None:
-        self.events.append((event, time.monotonic() if when is None else when))
+        """``when``: seconds since the epoch (comparable across worker processes on a host);
+        the simulator passes its own clock."""
+        self.events.append((event, time.time() if when is None else when))
 
     def first_event_time(self, event: EventType) -> float | None:
         for kind, when in self.events:

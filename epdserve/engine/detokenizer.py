@@ -51,6 +51,12 @@ class IncrementalDetokenizer:
             stopped = False
         return DetokenizeResult(self._take(is_last or stopped), stopped)
 
+    def prime(self, token_ids: list[int]) -> None:
+        """Start from tokens whose text was already delivered (e.g. by a prefill worker)."""
+        for token_id in token_ids:
+            self.add_token(token_id, is_last=False)
+        self.num_emitted = len(self.text)
+
     def flush(self) -> str:
         return self._take(True)
 

@@ -9,6 +9,7 @@ computed the prompt, then find its prompt blocks in the prefix cache.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -16,13 +17,16 @@ import torch
 from epdserve.config import EngineArgs, EngineConfig, resolve_device_name, resolve_dtype_name
 from epdserve.engine.detokenizer import IncrementalDetokenizer
 from epdserve.engine.kv_cache import KVCacheManager, make_group_specs
-from epdserve.engine.runner import ModelRunner
+from epdserve.engine.runner import ModelRunner, kv_cache_shapes
 from epdserve.engine.sampler import TokenLogprobs
 from epdserve.engine.scheduler import Scheduler
 from epdserve.errors import InvalidRequestError
 from epdserve.models.loader import LoadedModel, load_model
 from epdserve.request import EventType, Request, RequestStatus
 from epdserve.sampling import SamplingParams
+from epdserve.transfer.connector import TransferStats
+
+KVCacheAllocator = Callable[[list[tuple[int, ...]], torch.dtype], list[torch.Tensor]]
 
 
 @dataclass
@@ -38,6 +42,8 @@ class RequestOutput:
     finish_reason: str | None
     num_prompt_tokens: int
     num_cached_tokens: int
+    prefill_start: float = 0.0  # seconds since the epoch; 0 when not (yet) known
+    prefill_end: float = 0.0
 
 
 @dataclass
@@ -63,7 +69,13 @@ class _Sequence:
 
 
 class LLMEngine:
-    def __init__(self, args: EngineArgs, loaded: LoadedModel | None = None) -> None:
+    def __init__(
+        self,
+        args: EngineArgs,
+        loaded: LoadedModel | None = None,
+        kv_cache_allocator: KVCacheAllocator | None = None,
+    ) -> None:
+        """``kv_cache_allocator(shapes, dtype)`` places the KV pages (e.g. in shared memory)."""
         dtype = getattr(torch, resolve_dtype_name(args.dtype))
         device = torch.device(resolve_device_name(args.device))
         self.loaded = loaded or load_model(args.model, dtype, device)
@@ -76,9 +88,11 @@ class LLMEngine:
         cache = self.config.cache
         self.kv_cache = KVCacheManager(groups, cache.num_blocks, cache.block_size, cache.enable_prefix_caching)
         self.scheduler = Scheduler(self.config.scheduler, self.kv_cache)
+        shapes = kv_cache_shapes(groups, spec.num_layers, cache.num_blocks, cache.block_size)
+        kv_caches = kv_cache_allocator(shapes, dtype) if kv_cache_allocator is not None else None
         self.runner = ModelRunner(
             self.loaded.model, groups, spec.num_layers, cache.num_blocks, cache.block_size,
-            dtype, device, self.config.seed,
+            dtype, device, self.config.seed, kv_caches,
         )
         self._sequences: dict[str, _Sequence] = {}
         self._children: dict[str, list[str]] = {}
@@ -129,27 +143,91 @@ class LLMEngine:
             if params.n > 1 and params.seed is not None:
                 child_params = replace(params, seed=params.seed + index)
             child_id = request_id if params.n == 1 else f"{request_id}#{index}"
-            request = Request(
-                child_id,
-                list(prompt_token_ids),
-                child_params,
-                eos_token_ids=self.tokenizer.eos_token_ids,
-                wait_for_request_id=child_ids[0] if child_ids else None,
-            )
-            request.record(EventType.ARRIVED)
-            self._sequences[child_id] = _Sequence(
-                request_id, index, request, IncrementalDetokenizer(self.tokenizer, child_params)
-            )
-            self.scheduler.add_request(request)
+            leader = child_ids[0] if child_ids else None
+            self._add_sequence(request_id, child_id, index, prompt_token_ids, child_params, leader)
             child_ids.append(child_id)
         self._children[request_id] = child_ids
         return request_id
 
+    def _add_sequence(
+        self,
+        parent_id: str,
+        request_id: str,
+        index: int,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        wait_for_request_id: str | None = None,
+    ) -> None:
+        if request_id in self._sequences:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        request = Request(
+            request_id,
+            list(prompt_token_ids),
+            params,
+            eos_token_ids=self.tokenizer.eos_token_ids,
+            wait_for_request_id=wait_for_request_id,
+        )
+        request.record(EventType.ARRIVED)
+        detokenizer = IncrementalDetokenizer(self.tokenizer, params)
+        self._sequences[request_id] = _Sequence(parent_id, index, request, detokenizer)
+        self.scheduler.add_request(request)
+
     def abort(self, request_id: str) -> None:
-        for child_id in self._children.pop(request_id, []):
+        """Stop a request wherever it is (queued, running, reserved, transferring)."""
+        child_ids = self._children.pop(request_id, None) or [request_id]
+        for child_id in child_ids:
             self.scheduler.finish_request(child_id, RequestStatus.FINISHED_ABORTED)
             self._sequences.pop(child_id, None)
-            self.runner.release(child_id)
+            self.runner.release(child_id, aborted=True)
+        if request_id in self.scheduler.transferring:
+            self.scheduler.release_transfer(request_id)
+
+    # -- P/D roles -----------------------------------------------------------------------
+    def add_prefill_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        kv_target: str,
+        kv_target_block_ids: list[list[int]],
+    ) -> None:
+        """Prefill worker: compute the prompt, sample the first token, push the KV to
+        ``kv_target``'s blocks; the blocks stay held until the transfer reports done."""
+        prefill_params = replace(params, n=1, max_tokens=1, min_tokens=min(params.min_tokens, 1))
+        self._add_sequence(request_id, request_id, 0, prompt_token_ids, prefill_params)
+        self._children[request_id] = [request_id]
+        request = self._sequences[request_id].request
+        request.hold_kv_for_transfer = True
+        request.kv_target = kv_target
+        request.kv_target_block_ids = kv_target_block_ids
+
+    def reserve(self, request_id: str, num_prompt_tokens: int) -> list[list[int]] | None:
+        """Decode worker: blocks for a prompt whose KV a prefill worker will write."""
+        return self.scheduler.reserve(request_id, num_prompt_tokens)
+
+    def start_decode(
+        self, request_id: str, prompt_token_ids: list[int], first_token_id: int, params: SamplingParams
+    ) -> None:
+        """Decode worker: the reserved request's KV has landed; continue after the first token."""
+        request = Request(
+            request_id, list(prompt_token_ids), params, eos_token_ids=self.tokenizer.eos_token_ids
+        )
+        request.output_token_ids.append(first_token_id)
+        request.record(EventType.ARRIVED)
+        detokenizer = IncrementalDetokenizer(self.tokenizer, params)
+        detokenizer.prime([first_token_id])
+        self._sequences[request_id] = _Sequence(request_id, 0, request, detokenizer)
+        self._children[request_id] = [request_id]
+        self.scheduler.add_prefilled(request)
+
+    def poll_transfers(self) -> list[TransferStats]:
+        """Prefill worker: KV transfers that ended; their held blocks are freed here."""
+        if self.runner.pusher is None:
+            return []
+        finished = self.runner.pusher.poll()
+        for stats in finished:
+            self.scheduler.release_transfer(stats.request_id)
+        return finished
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -194,6 +272,8 @@ class LLMEngine:
             finish_reason=request.status.finish_reason,
             num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=request.num_cached_tokens,
+            prefill_start=request.first_event_time(EventType.PREFILL_START) or 0.0,
+            prefill_end=request.first_event_time(EventType.PREFILL_END) or 0.0,
         )
 
     def _forget(self, seq: _Sequence) -> None:

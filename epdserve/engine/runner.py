@@ -16,6 +16,7 @@ from epdserve.engine.kv_cache import KVCacheGroupSpec
 from epdserve.engine.sampler import Sampler, SampleResult, TokenLogprobs
 from epdserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 from epdserve.models.layers.attention import AttentionMetadata, GroupAttentionMetadata, forward_context
+from epdserve.transfer.connector import KVPusher, PushItem
 
 
 @dataclass(frozen=True)
@@ -36,19 +37,26 @@ class ModelRunner:
         dtype: torch.dtype,
         device: torch.device,
         seed: int = 0,
+        kv_caches: list[torch.Tensor] | None = None,
     ) -> None:
+        """``kv_caches``: pages allocated by the caller (e.g. in shared memory), one tensor per
+        layer of the shape above; zero-filled tensors are allocated when None."""
         self.model = model
         self.groups = groups
         self.block_size = block_size
         self.device = device
         self.layer_to_group = [0] * num_layers
-        self.kv_caches: list[torch.Tensor] = [torch.empty(0)] * num_layers
         for group in groups:
             for layer in group.layer_ids:
                 self.layer_to_group[layer] = group.group_id
-                shape = (2, num_blocks, block_size, group.num_kv_heads, group.head_dim)
-                self.kv_caches[layer] = torch.zeros(shape, dtype=dtype, device=device)
+        if kv_caches is None:
+            kv_caches = [
+                torch.zeros(shape, dtype=dtype, device=device)
+                for shape in kv_cache_shapes(groups, num_layers, num_blocks, block_size)
+            ]
+        self.kv_caches = kv_caches
         self.sampler = Sampler(seed, device)
+        self.pusher: KVPusher | None = None  # set on a prefill worker of a P/D pair
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -67,8 +75,13 @@ class ModelRunner:
         meta = self._metadata(entries, num_decode)
         ids_t = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
+        if self.pusher is not None:
+            self.pusher.begin_step(self._push_items(entries))
+            meta.on_layer_written = self.pusher.save_layer
         with forward_context(meta):
             hidden = self.model(ids_t, pos_t)
+        if self.pusher is not None:
+            self.pusher.end_step()
 
         sample_rows, sample_entries, offset = [], [], 0
         for e in entries:
@@ -118,5 +131,36 @@ class ModelRunner:
             kv_caches=self.kv_caches,
         )
 
-    def release(self, request_id: str) -> None:
+    def release(self, request_id: str, aborted: bool = False) -> None:
+        """Forget a finished request; an aborted one also stops its KV transfer."""
         self.sampler.release(request_id)
+        if aborted and self.pusher is not None:
+            self.pusher.abort(request_id)
+
+    @staticmethod
+    def _push_items(entries: list[ScheduledRequest]) -> list[PushItem]:
+        items = []
+        for e in entries:
+            request = e.request
+            if request.kv_target is None:
+                continue
+            # The first chunk also carries the prompt's prefix-cache hit.
+            start = 0 if e.start_pos == request.num_cached_tokens else e.start_pos
+            items.append(
+                PushItem(
+                    request.request_id, request.kv_target, start, e.start_pos + e.num_new_tokens,
+                    e.block_tables, request.kv_target_block_ids, e.will_sample,
+                )
+            )
+        return items
+
+
+def kv_cache_shapes(
+    groups: list[KVCacheGroupSpec], num_layers: int, num_blocks: int, block_size: int
+) -> list[tuple[int, ...]]:
+    """Per layer: [2, num_blocks, block_size, num_kv_heads, head_dim]."""
+    shapes: list[tuple[int, ...]] = [()] * num_layers
+    for group in groups:
+        for layer in group.layer_ids:
+            shapes[layer] = (2, num_blocks, block_size, group.num_kv_heads, group.head_dim)
+    return shapes

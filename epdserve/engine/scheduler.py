@@ -50,6 +50,10 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        # Finished requests whose blocks a KV transfer still reads (prefill side).
+        self.transferring: dict[str, Request] = {}
+        # Blocks reserved for a request whose KV another worker is writing (decode side).
+        self.reserved: set[str] = set()
         self.num_computed_prompt_tokens = 0  # prompt tokens actually run through the model
         self.num_preemptions = 0
 
@@ -61,6 +65,9 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def holds_blocks(self) -> bool:
+        return bool(self.waiting or self.running or self.transferring or self.reserved)
+
     @property
     def num_waiting(self) -> int:
         return len(self.waiting)
@@ -70,17 +77,69 @@ class Scheduler:
         return len(self.running)
 
     def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
-        """Stop a request (abort, stop string) and free its blocks; None if unknown."""
+        """Stop a request (abort, stop string) and free its blocks; None if unknown.
+
+        A request that finishes normally with ``hold_kv_for_transfer`` keeps its blocks
+        (``transferring``) until ``release_transfer``; an aborted one frees them at once.
+        """
         request = self.requests.pop(request_id, None)
         if request is None:
-            return None
+            return self._drop_held(request_id)
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
         else:
             self.waiting.remove(request)
         request.status = status
-        self.kv_cache.free(request_id)
+        if request.hold_kv_for_transfer and status is not RequestStatus.FINISHED_ABORTED:
+            self.transferring[request_id] = request
+        else:
+            self.kv_cache.free(request_id)
         return request
+
+    def _drop_held(self, request_id: str) -> Request | None:
+        if request_id in self.reserved:
+            self.release_reservation(request_id)
+            return None
+        request = self.transferring.get(request_id)
+        if request is not None:
+            self.release_transfer(request_id)
+        return request
+
+    def release_transfer(self, request_id: str) -> None:
+        """The KV transfer of a finished request is over (done or failed): free its blocks."""
+        if self.transferring.pop(request_id, None) is not None:
+            self.kv_cache.free(request_id)
+
+    # -- decode side of a P/D pair --------------------------------------------------------
+    def can_reserve(self) -> bool:
+        return len(self.running) + len(self.reserved) < self.config.max_num_seqs
+
+    def reserve(self, request_id: str, num_prompt_tokens: int) -> list[list[int]] | None:
+        """Allocate blocks for a prompt whose KV another worker will write, plus the first
+        output token; None when there is no room (the caller turns that into back-pressure)."""
+        if request_id in self.requests or request_id in self.reserved or not self.can_reserve():
+            return None
+        if not self.kv_cache.allocate(request_id, 0, num_prompt_tokens + 1):
+            return None
+        self.reserved.add(request_id)
+        return self.kv_cache.block_tables(request_id)
+
+    def release_reservation(self, request_id: str) -> None:
+        if request_id in self.reserved:
+            self.reserved.discard(request_id)
+            self.kv_cache.free(request_id)
+
+    def add_prefilled(self, request: Request) -> None:
+        """Start decoding a reserved request whose prompt KV has landed in its blocks.
+
+        ``request.output_token_ids`` holds the first token, sampled by the prefill worker.
+        """
+        self.reserved.remove(request.request_id)
+        request.num_computed_tokens = request.num_prompt_tokens
+        request.status = RequestStatus.RUNNING
+        request.record(EventType.SCHEDULED)
+        self.requests[request.request_id] = request
+        self.running.append(request)
 
     # -- one step ------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:

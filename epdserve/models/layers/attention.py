@@ -18,7 +18,7 @@ A sequence's query tokens are its last ``query_len`` positions: positions
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -44,6 +44,9 @@ class AttentionMetadata:
     groups: list[GroupAttentionMetadata]
     layer_to_group: list[int]
     kv_caches: list[torch.Tensor]  # per layer: [2, num_blocks, block_size, num_kv_heads, head_dim]
+    # Called with the layer index once the step's KV of that layer is in the pages
+    # (a KV connector pushes it to another worker from there).
+    on_layer_written: Callable[[int], None] | None = None
 
 
 _context: AttentionMetadata | None = None
@@ -103,6 +106,8 @@ class Attention(nn.Module):
         value_cache = cache[1].view(-1, self.num_kv_heads, self.head_dim)
         key_cache.index_copy_(0, group.slot_mapping, k.to(cache.dtype))
         value_cache.index_copy_(0, group.slot_mapping, v.to(cache.dtype))
+        if meta.on_layer_written is not None:
+            meta.on_layer_written(self.layer_idx)
 
         out = torch.empty_like(q)
         num_decode = meta.num_decode_seqs

@@ -46,3 +46,57 @@ class GemmaRMSNorm(RMSNorm):
         self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: int | str | None = None
     ) -> None:
         param.data.copy_(loaded_weight.float() + 1.0)
+
+
+class QKNorm(nn.Module):
+    """Per-head RMSNorm of the query and key heads in one call (Qwen3, Gemma3).
+
+    Input is the fused [T, num_heads + num_kv_heads, head_dim] block of q and k heads; the
+    parameter is [num_heads + num_kv_heads, head_dim], rows [:num_heads] holding the
+    checkpoint's ``q_norm`` weight and the rest its ``k_norm`` weight, so one normalisation
+    and one multiply cover both. Loaded with shard_id "q" or "k".
+    """
+
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        eps: float,
+        *,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+        self.eps = eps
+        self.weight = nn.Parameter(
+            torch.empty(num_heads + num_kv_heads, head_dim, dtype=dtype, device=device),
+            requires_grad=False,
+        )
+        self.weight.weight_loader = self.weight_loader
+
+    def _stored_value(self, loaded_weight: torch.Tensor) -> torch.Tensor:
+        return loaded_weight
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: int | str | None = None
+    ) -> None:
+        if shard_id == "q":
+            rows = param.data[: self.num_heads]
+        elif shard_id == "k":
+            rows = param.data[self.num_heads :]
+        else:
+            raise ValueError(f"shard_id must be 'q' or 'k', got {shard_id!r}")
+        rows.copy_(self._stored_value(loaded_weight).expand_as(rows))
+
+    def forward(self, qk: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(qk, (self.head_dim,), None, self.eps).mul_(self.weight)
+
+
+class GemmaQKNorm(QKNorm):
+    """``QKNorm`` with Gemma's (1 + w) weights, stored with the 1 added."""
+
+    def _stored_value(self, loaded_weight: torch.Tensor) -> torch.Tensor:
+        return loaded_weight.float() + 1.0

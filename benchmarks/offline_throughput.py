@@ -1,0 +1,175 @@
+"""Offline throughput: epdserve's engine beside vLLM's offline engine, in one run.
+
+    .venv/bin/python benchmarks/offline_throughput.py [--num-prompts 64] [--input-len 256]
+        [--output-len 128] [--skip-vllm] [--json out.json]
+
+Workload (as `vllm bench throughput --dataset-name random`): N prompts of random token ids,
+fixed output length, EOS ignored, bfloat16, all cores. Also reports the decode step time at
+batch 1 against the memory-bandwidth bound (weight bytes / measured copy bandwidth) and
+prefill tokens/s against the bf16 matmul bound (2 * params FLOPs per token / measured GEMM rate).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from epdserve.config import EngineArgs
+from epdserve.engine.engine import LLMEngine
+from epdserve.sampling import SamplingParams
+
+ROOT = Path(__file__).resolve().parent.parent
+PEER = ROOT.parent / "shared" / "peers" / "vllm-cpu.sh"
+
+
+def random_prompts(vocab_size: int, num: int, length: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(1000, vocab_size - 1000) for _ in range(length)] for _ in range(num)]
+
+
+def run_epdserve(args: argparse.Namespace) -> dict:
+    engine = LLMEngine(EngineArgs(dtype="bfloat16", max_num_batched_tokens=args.max_num_batched_tokens))
+    prompts = random_prompts(engine.loaded.spec.vocab_size, args.num_prompts, args.input_len, 0)
+    params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
+    engine.generate(random_prompts(engine.loaded.spec.vocab_size, 2, 32, 1), SamplingParams(max_tokens=4))
+    start = time.perf_counter()
+    results = engine.generate(prompts, params)
+    elapsed = time.perf_counter() - start
+    num_out = sum(len(r[0].token_ids) for r in results)
+    num_in = sum(len(p) for p in prompts)
+    return {
+        "elapsed_s": elapsed,
+        "requests_per_s": len(prompts) / elapsed,
+        "total_tokens_per_s": (num_in + num_out) / elapsed,
+        "output_tokens_per_s": num_out / elapsed,
+        "engine": engine,
+    }
+
+
+def run_vllm(args: argparse.Namespace) -> dict | None:
+    if not PEER.exists():
+        return None
+    model_dir = subprocess.run([str(PEER), "model-dir"], capture_output=True, text=True).stdout.strip()
+    cmd = [
+        str(PEER), "bench", "throughput", "--model", model_dir, "--dtype", "bfloat16",
+        "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
+        "--num-prompts", str(args.num_prompts), "--max-model-len", "4096",
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    out = proc.stdout + proc.stderr
+    match = re.search(r"Throughput: ([\d.]+) requests/s, ([\d.]+) total tokens/s, ([\d.]+) output tokens/s", out)
+    if not match:
+        print(out[-3000:], file=sys.stderr)
+        return None
+    return {
+        "requests_per_s": float(match.group(1)),
+        "total_tokens_per_s": float(match.group(2)),
+        "output_tokens_per_s": float(match.group(3)),
+    }
+
+
+def copy_bandwidth_gbps(num_bytes: int = 512 * 2**20) -> float:
+    src = torch.empty(num_bytes, dtype=torch.uint8)
+    src.fill_(1)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(5):
+        t = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t)
+    return 2 * num_bytes / best / 1e9  # read + write
+
+
+def bf16_gemm_tflops(m: int = 2048, k: int = 576, n: int = 1536) -> float:
+    a = torch.randn(m, k, dtype=torch.bfloat16)
+    b = torch.randn(k, n, dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    t = time.perf_counter()
+    reps = 20
+    for _ in range(reps):
+        a @ b
+    return 2 * m * k * n * reps / (time.perf_counter() - t) / 1e12
+
+
+def roofline(engine: LLMEngine) -> dict:
+    model = engine.loaded.model
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    num_params = sum(p.numel() for p in model.parameters())
+    vocab = engine.loaded.spec.vocab_size
+    prompt = random_prompts(vocab, 1, 64, 2)[0]
+    params = SamplingParams(max_tokens=65, temperature=0.0, ignore_eos=True)
+    engine.add_request(prompt, params)
+    step_times = []
+    while engine.has_unfinished():
+        t = time.perf_counter()
+        engine.step()
+        step_times.append(time.perf_counter() - t)
+    decode_ms = sorted(step_times[1:])[len(step_times[1:]) // 2] * 1e3
+    bandwidth = copy_bandwidth_gbps()
+    bound_ms = weight_bytes / (bandwidth / 2 * 1e9) * 1e3  # weights are read once per step
+
+    long_prompt = random_prompts(vocab, 1, 2047, 3)[0]
+    engine.add_request(long_prompt, SamplingParams(max_tokens=1))
+    t = time.perf_counter()
+    engine.step()
+    prefill_tps = len(long_prompt) / (time.perf_counter() - t)
+    tflops = bf16_gemm_tflops()
+    # Non-embedding parameters do the matmuls of a prompt token; the LM head runs once.
+    flops_per_token = 2 * (num_params - vocab * engine.loaded.spec.hidden_size)
+    return {
+        "weight_bytes": weight_bytes,
+        "copy_bandwidth_gbps": bandwidth,
+        "decode_step_ms_batch1": decode_ms,
+        "decode_bound_ms": bound_ms,
+        "prefill_tokens_per_s": prefill_tps,
+        "bf16_gemm_tflops": tflops,
+        "prefill_bound_tokens_per_s": tflops * 1e12 / flops_per_token,
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--input-len", type=int, default=256)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument("--skip-vllm", action="store_true")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    torch.set_num_threads(os.cpu_count() or 1)
+
+    ours = run_epdserve(args)
+    engine = ours.pop("engine")
+    print(f"epdserve: {ours['requests_per_s']:.2f} req/s, {ours['total_tokens_per_s']:.1f} total tok/s, "
+          f"{ours['output_tokens_per_s']:.1f} output tok/s ({ours['elapsed_s']:.1f} s)")
+    roof = roofline(engine)
+    print(f"decode step at batch 1: {roof['decode_step_ms_batch1']:.2f} ms; bandwidth bound "
+          f"{roof['decode_bound_ms']:.2f} ms ({roof['weight_bytes'] / 1e6:.0f} MB weights, "
+          f"{roof['copy_bandwidth_gbps']:.1f} GB/s copy)")
+    print(f"prefill: {roof['prefill_tokens_per_s']:.0f} tok/s; bf16 matmul bound "
+          f"{roof['prefill_bound_tokens_per_s']:.0f} tok/s ({roof['bf16_gemm_tflops']:.2f} TFLOP/s)")
+    del engine
+    vllm = None if args.skip_vllm else run_vllm(args)
+    if vllm:
+        ratio = ours["total_tokens_per_s"] / vllm["total_tokens_per_s"]
+        print(f"vLLM:     {vllm['requests_per_s']:.2f} req/s, {vllm['total_tokens_per_s']:.1f} total tok/s, "
+              f"{vllm['output_tokens_per_s']:.1f} output tok/s")
+        print(f"epdserve / vLLM total tokens/s: {ratio:.2f}x")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"epdserve": ours, "vllm": vllm, "roofline": roof}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,187 @@
+"""Control messages between the router and workers: msgspec structs over ZMQ, never pickle.
+
+Every message is a tagged struct; ``encode``/``decode`` turn it into msgpack bytes. Tensors
+never travel here: KV and embeddings move through the transfer layer, and only descriptors
+(request, group, block ids, token ranges) appear in these messages.
+
+Times are seconds since the epoch (``time.time()``), comparable across processes on one host.
+"""
+
+from __future__ import annotations
+
+from typing import Union
+
+import msgspec
+
+
+class Msg(msgspec.Struct, tag=True, omit_defaults=True):
+    pass
+
+
+# -- worker -> router --------------------------------------------------------------------
+class KVEndpoint(msgspec.Struct, omit_defaults=True):
+    """How a prefill worker reaches a decode worker's KV pages (registered at start-up)."""
+
+    transport: str  # "shm" | "tcp"
+    shm_name: str = ""  # shared-memory segment holding the decode worker's whole KV pool
+    host: str = ""
+    port: int = 0
+    num_blocks: int = 0
+    block_size: int = 0
+    dtype: str = ""
+    # per layer: (num_kv_heads, head_dim); the pool is [layer][2][block][slot][head][dim]
+    layer_shapes: list[tuple[int, int]] = []
+
+
+class Register(Msg):
+    worker_id: str
+    role: str  # "colocated" | "prefill" | "decode"
+    pid: int
+    host: str
+    model_name: str
+    max_model_len: int
+    num_kv_blocks: int
+    block_size: int
+    kv_endpoint: KVEndpoint | None = None
+
+
+class Load(msgspec.Struct):
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_used_blocks: int
+    num_reserved: int = 0  # decode: requests holding blocks while their KV arrives
+    num_transferring: int = 0  # prefill: requests holding blocks while their KV leaves
+    kv_bytes_sent: int = 0
+    kv_seconds_sent: float = 0.0
+
+
+class Heartbeat(Msg):
+    worker_id: str
+    load: Load
+
+
+class TokenLogprob(msgspec.Struct, array_like=True):
+    token_id: int
+    logprob: float
+    top_token_ids: list[int]
+    top_logprobs: list[float]
+
+
+class Timing(msgspec.Struct, omit_defaults=True):
+    """Server-side timestamps of one request (seconds since the epoch; 0 = did not happen)."""
+
+    arrived: float = 0.0
+    admitted: float = 0.0
+    prefill_start: float = 0.0
+    prefill_end: float = 0.0
+    kv_transfer_start: float = 0.0
+    kv_transfer_end: float = 0.0
+    kv_exposed_s: float = 0.0  # transfer time not hidden behind prefill compute (a duration)
+    first_token: float = 0.0
+    decode_start: float = 0.0
+    finished: float = 0.0
+    num_cached_tokens: int = 0
+
+
+class TokenOutput(msgspec.Struct, omit_defaults=True):
+    request_id: str
+    index: int
+    token_ids: list[int]
+    text: str
+    finished: bool = False
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    logprobs: list[TokenLogprob] = []
+    prefill_start: float = 0.0
+    prefill_end: float = 0.0
+
+
+class Outputs(Msg):
+    worker_id: str
+    outputs: list[TokenOutput]
+
+
+class Reserved(Msg):
+    """Decode worker's answer to Reserve: block ids per group, or why not."""
+
+    request_id: str
+    ok: bool
+    block_ids: list[list[int]] = []
+    reason: str = ""
+
+
+class TransferDone(Msg):
+    """Prefill worker: the request's KV has landed in the decode worker's pages (or failed)."""
+
+    request_id: str
+    ok: bool
+    kv_bytes: int = 0
+    transfer_start: float = 0.0
+    transfer_end: float = 0.0
+    exposed_s: float = 0.0  # transfer time not hidden behind prefill compute
+    reason: str = ""
+
+
+class RequestFailed(Msg):
+    request_id: str
+    message: str
+
+
+# -- router -> worker --------------------------------------------------------------------
+class Submit(Msg):
+    """Run a request to completion on a colocated worker (or prefill-only on a prefill one)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: dict
+    # P/D: where the KV goes (decode worker id, its block ids per group)
+    kv_target: str = ""
+    kv_target_block_ids: list[list[int]] = []
+
+
+class Reserve(Msg):
+    request_id: str
+    num_prompt_tokens: int
+
+
+class StartDecode(Msg):
+    request_id: str
+    prompt_token_ids: list[int]
+    first_token_id: int
+    sampling: dict
+
+
+class Abort(Msg):
+    request_id: str
+
+
+class PeerUp(Msg):
+    worker_id: str
+    endpoint: KVEndpoint
+
+
+class PeerDown(Msg):
+    worker_id: str
+
+
+class Shutdown(Msg):
+    pass
+
+
+Message = Union[
+    Register, Heartbeat, Outputs, Reserved, TransferDone, RequestFailed,
+    Submit, Reserve, StartDecode, Abort, PeerUp, PeerDown, Shutdown,
+]
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+
+
+def encode(msg: Msg) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode(data: bytes) -> Message:
+    return _decoder.decode(data)

@@ -1,0 +1,302 @@
+"""A worker process: one engine in a role (colocated, prefill or decode), driven by the router.
+
+    epdserve worker --role prefill|decode|colocated --router tcp://HOST:PORT [engine options]
+
+The worker registers with the router (role, pid, KV endpoint), sends heartbeats from a thread
+of its own, and runs the engine loop: take control messages, run one step, report outputs and
+finished KV transfers. A decode worker's KV pages live in shared memory (``shm``) or behind a
+TCP listener (``tcp``) so prefill workers can write them; a prefill worker keeps one link per
+decode worker, opened when the router announces the peer.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import socket
+import threading
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+
+import torch
+import zmq
+
+from epdserve.cluster import messages as m
+from epdserve.config import EngineArgs
+from epdserve.engine.engine import LLMEngine, RequestOutput
+from epdserve.errors import EpdserveError
+from epdserve.sampling import SamplingParams
+from epdserve.transfer.connector import KVPusher
+from epdserve.transfer.shm_pool import SharedKVPool
+from epdserve.transfer.tcp import TcpKVReceiver
+
+ROLES = ("colocated", "prefill", "decode")
+
+
+@dataclass(frozen=True)
+class WorkerOptions:
+    role: str
+    router: str  # tcp://host:port of the router's worker socket
+    worker_id: str = field(default_factory=lambda: f"w-{uuid.uuid4().hex[:8]}")
+    cores: tuple[int, ...] = ()  # CPU cores to pin to; () = leave as is
+    kv_transport: str = "shm"  # decode: how prefill workers reach its pages
+    kv_host: str = "127.0.0.1"  # decode + tcp: address its KV listener binds
+    layerwise: bool = True  # prefill: push KV layer by layer (False: bulk after prefill)
+    heartbeat_s: float = 0.2
+    reservation_lease_s: float = 60.0  # decode: a reservation whose KV never lands expires
+    die_with_parent: bool = False
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise EpdserveError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
+        if self.kv_transport not in ("shm", "tcp"):
+            raise EpdserveError(f"kv transport must be shm or tcp, got {self.kv_transport!r}")
+
+
+def _die_with_parent() -> None:
+    """Linux: SIGTERM this process when its parent (the router) dies, even by SIGKILL."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def _sampling_from(data: dict) -> SamplingParams:
+    return SamplingParams(**data)
+
+
+def sampling_to_dict(params: SamplingParams) -> dict:
+    data = asdict(params)
+    data.pop("extra", None)
+    return data
+
+
+class Worker:
+    def __init__(self, opts: WorkerOptions, engine_args: EngineArgs) -> None:
+        self.opts = opts
+        if opts.cores:
+            os.sched_setaffinity(0, opts.cores)
+            torch.set_num_threads(len(opts.cores))
+        self.pool: SharedKVPool | None = None
+        self.receiver: TcpKVReceiver | None = None
+        allocator = self._shm_allocator if opts.role == "decode" and opts.kv_transport == "shm" else None
+        self.engine = LLMEngine(engine_args, kv_cache_allocator=allocator)
+        self.endpoint: m.KVEndpoint | None = None
+        self._landed: set[str] = set()
+        self._landed_lock = threading.Lock()
+        self._pending_decode: dict[str, m.StartDecode] = {}
+        self._prefill_ids: set[str] = set()  # P/D prefills whose TransferDone is still due
+        self._reserved_at: dict[str, float] = {}
+        if opts.role == "decode":
+            self.endpoint = self._decode_endpoint()
+        if opts.role == "prefill":
+            runner = self.engine.runner
+            runner.pusher = KVPusher(runner.kv_caches, runner.layer_to_group, runner.block_size, opts.layerwise)
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.IDENTITY, opts.worker_id.encode())
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(opts.router)
+        self._stop = threading.Event()
+
+    # -- set-up --------------------------------------------------------------------------
+    def _shm_allocator(self, shapes: list[tuple[int, ...]], dtype: torch.dtype) -> list[torch.Tensor]:
+        num_blocks, block_size = shapes[0][1], shapes[0][2]
+        self.pool = SharedKVPool.create(num_blocks, block_size, [s[3:] for s in shapes], dtype)
+        return self.pool.layers
+
+    def _decode_endpoint(self) -> m.KVEndpoint:
+        if self.pool is not None:
+            return self.pool.endpoint()
+        reserved = self.engine.scheduler.reserved
+        self.receiver = TcpKVReceiver(
+            self.engine.runner.kv_caches, self._on_landed, lambda rid: rid in reserved, self.opts.kv_host
+        )
+        caches = self.engine.runner.kv_caches
+        return m.KVEndpoint(
+            transport="tcp", host=self.receiver.host, port=self.receiver.port,
+            num_blocks=caches[0].shape[1], block_size=caches[0].shape[2],
+            dtype=str(caches[0].dtype).removeprefix("torch."),
+            layer_shapes=[tuple(c.shape[3:]) for c in caches],
+        )
+
+    def _on_landed(self, request_id: str) -> None:
+        with self._landed_lock:
+            self._landed.add(request_id)
+
+    def register(self) -> m.Register:
+        cfg = self.engine.config
+        return m.Register(
+            worker_id=self.opts.worker_id, role=self.opts.role, pid=os.getpid(), host=socket.gethostname(),
+            model_name=self.engine.loaded.spec.name, max_model_len=cfg.scheduler.max_model_len,
+            num_kv_blocks=cfg.cache.num_blocks, block_size=cfg.cache.block_size, kv_endpoint=self.endpoint,
+        )
+
+    def load(self) -> m.Load:
+        sched = self.engine.scheduler
+        pusher = self.engine.runner.pusher
+        return m.Load(
+            num_running=len(sched.running), num_waiting=len(sched.waiting),
+            num_free_blocks=self.engine.kv_cache.num_free_blocks(),
+            num_used_blocks=self.engine.kv_cache.num_used_blocks(),
+            num_reserved=len(sched.reserved), num_transferring=len(sched.transferring),
+            kv_bytes_sent=pusher.num_bytes_sent if pusher else 0,
+            kv_seconds_sent=pusher.seconds_sending if pusher else 0.0,
+        )
+
+    # -- loops ---------------------------------------------------------------------------
+    def _heartbeat_loop(self) -> None:
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, f"{self.opts.worker_id}/hb".encode())
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self.opts.router)
+        while not self._stop.wait(self.opts.heartbeat_s):
+            try:
+                sock.send(m.encode(m.Heartbeat(self.opts.worker_id, self.load())), zmq.NOBLOCK)
+            except (zmq.ZMQError, RuntimeError):
+                pass
+        sock.close()
+
+    def run(self) -> int:
+        self.sock.send(m.encode(self.register()))
+        threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True).start()
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        try:
+            while not self._stop.is_set():
+                busy = self.engine.has_unfinished() or self._pending_decode or self.engine.scheduler.transferring
+                timeout_ms = 0 if busy else 100
+                while dict(poller.poll(timeout_ms)).get(self.sock):
+                    self._handle(m.decode(self.sock.recv()))
+                    timeout_ms = 0
+                    if self._stop.is_set():
+                        return 0
+                self._start_landed()
+                if self.engine.has_unfinished():
+                    self._send_outputs(self.engine.step())
+                self._report_transfers()
+                self._expire_reservations()
+        finally:
+            self.close()
+        return 0
+
+    def _handle(self, msg: m.Message) -> None:
+        engine = self.engine
+        try:
+            if isinstance(msg, m.Submit):
+                params = _sampling_from(msg.sampling)
+                if msg.kv_target:
+                    engine.add_prefill_request(
+                        msg.request_id, msg.prompt_token_ids, params, msg.kv_target, msg.kv_target_block_ids
+                    )
+                    self._prefill_ids.add(msg.request_id)
+                else:
+                    engine.add_request(msg.prompt_token_ids, params, msg.request_id)
+            elif isinstance(msg, m.Reserve):
+                block_ids = engine.reserve(msg.request_id, msg.num_prompt_tokens)
+                if block_ids is None:
+                    self.sock.send(m.encode(m.Reserved(msg.request_id, False, reason="no free KV blocks")))
+                else:
+                    self._reserved_at[msg.request_id] = time.monotonic()
+                    self.sock.send(m.encode(m.Reserved(msg.request_id, True, [list(b) for b in block_ids])))
+            elif isinstance(msg, m.StartDecode):
+                self._pending_decode[msg.request_id] = msg
+            elif isinstance(msg, m.Abort):
+                self._pending_decode.pop(msg.request_id, None)
+                self._reserved_at.pop(msg.request_id, None)
+                engine.abort(msg.request_id)
+                if self.opts.role == "prefill":
+                    # Confirms, even for a request never seen, that from here on nothing is
+                    # written into the decode worker's blocks for it.
+                    self._prefill_ids.discard(msg.request_id)
+                    self.sock.send(m.encode(m.TransferDone(msg.request_id, False, reason="aborted")))
+            elif isinstance(msg, m.PeerUp) and engine.runner.pusher is not None:
+                engine.runner.pusher.add_peer(msg.worker_id, msg.endpoint)
+            elif isinstance(msg, m.PeerDown) and engine.runner.pusher is not None:
+                engine.runner.pusher.remove_peer(msg.worker_id)
+            elif isinstance(msg, m.Shutdown):
+                self._stop.set()
+        except EpdserveError as e:
+            request_id = getattr(msg, "request_id", "")
+            self.sock.send(m.encode(m.RequestFailed(request_id, str(e))))
+
+    def _start_landed(self) -> None:
+        if not self._pending_decode:
+            return
+        for request_id, msg in list(self._pending_decode.items()):
+            if self.opts.kv_transport == "tcp":
+                with self._landed_lock:
+                    if request_id not in self._landed:
+                        continue
+                    self._landed.discard(request_id)
+            del self._pending_decode[request_id]
+            self._reserved_at.pop(request_id, None)
+            if request_id not in self.engine.scheduler.reserved:
+                continue  # aborted meanwhile
+            self.engine.start_decode(request_id, msg.prompt_token_ids, msg.first_token_id, _sampling_from(msg.sampling))
+
+    def _send_outputs(self, outputs: list[RequestOutput]) -> None:
+        if not outputs:
+            return
+        items = [
+            m.TokenOutput(
+                request_id=o.request_id, index=o.index, token_ids=o.new_token_ids, text=o.new_text,
+                finished=o.finished, finish_reason=o.finish_reason, num_prompt_tokens=o.num_prompt_tokens,
+                num_cached_tokens=o.num_cached_tokens,
+                logprobs=[m.TokenLogprob(lp.token_id, lp.logprob, list(lp.top_token_ids), list(lp.top_logprobs))
+                          for lp in o.new_logprobs],
+                prefill_start=o.prefill_start, prefill_end=o.prefill_end,
+            )
+            for o in outputs
+        ]
+        self.sock.send(m.encode(m.Outputs(self.opts.worker_id, items)))
+
+    def _report_transfers(self) -> None:
+        for stats in self.engine.poll_transfers():
+            self._prefill_ids.discard(stats.request_id)
+            self.sock.send(m.encode(m.TransferDone(
+                stats.request_id, stats.ok, stats.kv_bytes, stats.start, stats.end,
+                max(0.0, stats.end - stats.compute_end), "" if stats.ok else "KV transfer failed",
+            )))
+
+    def _expire_reservations(self) -> None:
+        if not self._reserved_at:
+            return
+        deadline = time.monotonic() - self.opts.reservation_lease_s
+        for request_id, since in list(self._reserved_at.items()):
+            if since < deadline and request_id not in self._pending_decode:
+                del self._reserved_at[request_id]
+                self.engine.scheduler.release_reservation(request_id)
+
+    def close(self) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the clean-up short
+        self._stop.set()
+        if self.engine.runner.pusher is not None:
+            self.engine.runner.pusher.close()
+        if self.receiver is not None:
+            self.receiver.close()
+        if self.pool is not None:
+            self.engine.runner.kv_caches = []
+            self.pool.close()
+            self.pool = None
+        self.sock.close()
+        self.ctx.term()
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def run_worker(opts: WorkerOptions, engine_args: EngineArgs) -> int:
+    if opts.die_with_parent:
+        _die_with_parent()
+    # SIGTERM and SIGINT end the loop; the shared-memory pool is unlinked on the way out.
+    signal.signal(signal.SIGTERM, _interrupt)
+    worker = Worker(opts, engine_args)
+    try:
+        return worker.run()
+    except KeyboardInterrupt:
+        return 0

@@ -1,0 +1,350 @@
+"""Llama-family decoder (Llama, SmolLM2, Qwen2, Qwen3).
+
+The three differ only in small switches carried by ``LlamaConfig``: Qwen2 adds a bias to
+the q/k/v projections, Qwen3 normalises each q and k head (RMSNorm over head_dim) before
+the rotary embedding. Per layer::
+
+    h = x + o_proj(attn(rope(qk_norm?(q, k)), v))      q, k, v from one fused qkv matmul
+    y = h + down(silu(gate) * up)                      gate, up from one fused matmul
+
+with an RMSNorm before each of the two blocks and one after the last layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from epdserve.models.layers.activation import get_gated_activation
+from epdserve.models.layers.attention import Attention
+from epdserve.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from epdserve.models.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
+from epdserve.models.layers.norm import QKNorm, RMSNorm
+from epdserve.models.layers.rotary import RopeConfig, RotaryEmbedding, apply_rotary
+from epdserve.models.spec import ModelSpec
+
+# (fused parameter name, checkpoint name, shard id) for the fused projections and norms.
+StackedMapping = tuple[tuple[str, str, int | str], ...]
+
+LLAMA_STACKED_PARAMS: StackedMapping = (
+    ("qkv_proj", "q_proj", "q"),
+    ("qkv_proj", "k_proj", "k"),
+    ("qkv_proj", "v_proj", "v"),
+    ("gate_up_proj", "gate_proj", 0),
+    ("gate_up_proj", "up_proj", 1),
+    ("qk_norm", "q_norm", "q"),
+    ("qk_norm", "k_norm", "k"),
+)
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    """Architecture details beyond ``ModelSpec`` for the Llama family."""
+
+    intermediate_size: int
+    rms_norm_eps: float
+    rope: RopeConfig
+    hidden_act: str = "silu"
+    qkv_bias: bool = False
+    o_proj_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    tie_word_embeddings: bool = False
+
+    def __post_init__(self) -> None:
+        if self.intermediate_size <= 0 or self.rms_norm_eps <= 0:
+            raise ValueError(
+                f"invalid intermediate_size={self.intermediate_size} rms_norm_eps={self.rms_norm_eps}"
+            )
+
+    @classmethod
+    def from_hf(cls, hf: Mapping[str, Any], architecture: str) -> LlamaConfig:
+        """From a Hugging Face ``config.json`` dict of model_type llama, qwen2 or qwen3."""
+        attention_bias = bool(hf.get("attention_bias", False))
+        rope_params = hf.get("rope_parameters") or hf.get("rope_scaling")
+        return cls(
+            intermediate_size=int(hf["intermediate_size"]),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rope=RopeConfig.from_hf(rope_params, float(hf.get("rope_theta", 10000.0))),
+            hidden_act=hf.get("hidden_act", "silu"),
+            qkv_bias=True if architecture == "qwen2" else attention_bias,
+            o_proj_bias=False if architecture == "qwen2" else attention_bias,
+            mlp_bias=bool(hf.get("mlp_bias", False)),
+            qk_norm=architecture == "qwen3",
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        )
+
+
+class LlamaAttention(nn.Module):
+    def __init__(
+        self,
+        spec: ModelSpec,
+        config: LlamaConfig,
+        layer_idx: int,
+        tp_rank: int,
+        tp_size: int,
+        dtype: torch.dtype | None,
+        device: torch.device | str | None,
+    ) -> None:
+        super().__init__()
+        self.head_dim = spec.head_dim
+        self.qkv_proj = QKVParallelLinear(
+            spec.hidden_size,
+            spec.head_dim,
+            spec.num_heads,
+            spec.num_kv_heads,
+            bias=config.qkv_bias,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            dtype=dtype,
+            device=device,
+        )
+        self.num_heads = self.qkv_proj.num_heads
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.o_proj = RowParallelLinear(
+            spec.num_heads * spec.head_dim,
+            spec.hidden_size,
+            bias=config.o_proj_bias,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            dtype=dtype,
+            device=device,
+        )
+        self.qk_norm = (
+            QKNorm(
+                self.num_heads,
+                self.num_kv_heads,
+                spec.head_dim,
+                config.rms_norm_eps,
+                dtype=dtype,
+                device=device,
+            )
+            if config.qk_norm
+            else None
+        )
+        self.attn = Attention(
+            self.num_heads,
+            self.num_kv_heads,
+            spec.head_dim,
+            scale=spec.head_dim**-0.5,
+            layer_idx=layer_idx,
+            sliding_window=spec.sliding_windows[layer_idx],
+        )
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return self.o_proj(qkv_attention(self, self.qkv_proj(hidden), cos, sin))
+
+
+def qkv_attention(layer: nn.Module, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Fused qkv [T, (H + 2 KVH) * D] -> attention output [T, H * D].
+
+    q and k heads are adjacent in ``qkv``, so the optional per-head norm and the rotary
+    embedding run once over the [T, H + KVH, D] block. ``layer`` provides num_heads,
+    num_kv_heads, head_dim, qk_norm (module or None) and attn.
+    """
+    num_tokens = qkv.shape[0]
+    num_qk_heads = layer.num_heads + layer.num_kv_heads
+    qk = qkv[:, : num_qk_heads * layer.head_dim].view(num_tokens, num_qk_heads, layer.head_dim)
+    v = qkv[:, num_qk_heads * layer.head_dim :]
+    if layer.qk_norm is not None:
+        qk = layer.qk_norm(qk)
+    qk = apply_rotary(qk, cos, sin)
+    q = qk[:, : layer.num_heads].reshape(num_tokens, -1)
+    k = qk[:, layer.num_heads :].reshape(num_tokens, -1)
+    return layer.attn(q, k, v)
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)) with gate and up fused into one column-parallel matmul."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        hidden_act: str,
+        bias: bool,
+        tp_rank: int,
+        tp_size: int,
+        dtype: torch.dtype | None,
+        device: torch.device | str | None,
+    ) -> None:
+        super().__init__()
+        parallel = dict(tp_rank=tp_rank, tp_size=tp_size, dtype=dtype, device=device)
+        self.gate_up_proj = MergedColumnParallelLinear(
+            hidden_size, [intermediate_size, intermediate_size], bias=bias, **parallel
+        )
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias, **parallel)
+        self.act_fn = get_gated_activation(hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(
+        self,
+        spec: ModelSpec,
+        config: LlamaConfig,
+        layer_idx: int,
+        tp_rank: int,
+        tp_size: int,
+        dtype: torch.dtype | None,
+        device: torch.device | str | None,
+    ) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(spec, config, layer_idx, tp_rank, tp_size, dtype, device)
+        self.mlp = GatedMLP(
+            spec.hidden_size,
+            config.intermediate_size,
+            config.hidden_act,
+            config.mlp_bias,
+            tp_rank,
+            tp_size,
+            dtype,
+            device,
+        )
+        eps = config.rms_norm_eps
+        self.input_layernorm = RMSNorm(spec.hidden_size, eps, dtype=dtype, device=device)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, eps, dtype=dtype, device=device)
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        hidden = self.self_attn(self.input_layernorm(hidden), cos, sin).add_(hidden)
+        return self.mlp(self.post_attention_layernorm(hidden)).add_(hidden)
+
+
+class LlamaModel(nn.Module):
+    def __init__(
+        self,
+        spec: ModelSpec,
+        config: LlamaConfig,
+        tp_rank: int,
+        tp_size: int,
+        dtype: torch.dtype | None,
+        device: torch.device | str | None,
+    ) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(
+            spec.vocab_size,
+            spec.hidden_size,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            dtype=dtype,
+            device=device,
+        )
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(spec, config, i, tp_rank, tp_size, dtype, device)
+            for i in range(spec.num_layers)
+        )
+        self.norm = RMSNorm(spec.hidden_size, config.rms_norm_eps, dtype=dtype, device=device)
+        self.rotary_emb = RotaryEmbedding(
+            spec.head_dim, spec.max_position_embeddings, config.rope, dtype=dtype, device=device
+        )
+
+    def forward(self, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        cos, sin = self.rotary_emb.cos_sin(positions)
+        for layer in self.layers:
+            hidden = layer(hidden, cos, sin)
+        return self.norm(hidden)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama / Qwen2 / Qwen3 causal LM over a flat batch of T tokens."""
+
+    stacked_params: StackedMapping = LLAMA_STACKED_PARAMS
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        config: LlamaConfig,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        *,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        self.spec = spec
+        self.config = config
+        self.model = LlamaModel(spec, config, tp_rank, tp_size, dtype, device)
+        self.lm_head = ParallelLMHead(
+            spec.vocab_size,
+            spec.hidden_size,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            dtype=dtype,
+            device=device,
+        )
+        if config.tie_word_embeddings:
+            self.lm_head.tie_to(self.model.embed_tokens)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [T] int64 -> token embeddings [T, hidden]."""
+        return self.model.embed_tokens(input_ids)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        input_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """input_ids, positions [T] int64 -> final hidden states [T, hidden].
+
+        ``input_embeds`` [T, hidden], where given, is used instead of embedding input_ids.
+        """
+        hidden = self.embed(input_ids) if input_embeds is None else input_embeds
+        return self.model(hidden, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden] -> logits [N, vocab] float32."""
+        return self.lm_head(hidden).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy full (unsharded) Hugging Face tensors into this rank's parameters."""
+        skipped = ("lm_head.",) if self.config.tie_word_embeddings else ()
+        load_stacked_weights(self, weights, self.stacked_params, skipped)
+
+
+def load_stacked_weights(
+    model: nn.Module,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    stacked_params: StackedMapping,
+    skipped_prefixes: tuple[str, ...] = (),
+) -> None:
+    """Load HF-named tensors, routing q/k/v and gate/up pieces into their fused parameters.
+
+    Every parameter must receive all its pieces; a missing or unknown tensor raises
+    ValueError (a silently uninitialised weight would produce garbage text).
+    """
+    params = dict(model.named_parameters())
+    num_pieces = {name: 1 for name in params}
+    for fused_name, _, _ in stacked_params:
+        pieces = sum(1 for fused, _, _ in stacked_params if fused == fused_name)
+        for name in params:
+            if f".{fused_name}." in name:
+                num_pieces[name] = pieces
+    loaded: dict[str, int] = {}
+    for name, tensor in weights:
+        if name.startswith(skipped_prefixes) or name.endswith("rotary_emb.inv_freq"):
+            continue
+        target, shard_id = name, None
+        for fused_name, piece_name, piece_id in stacked_params:
+            if f".{piece_name}." in name:
+                target, shard_id = name.replace(f".{piece_name}.", f".{fused_name}."), piece_id
+                break
+        param = params.get(target)
+        if param is None:
+            raise ValueError(f"checkpoint tensor {name!r} has no matching parameter")
+        param.weight_loader(param, tensor, shard_id)
+        loaded[target] = loaded.get(target, 0) + 1
+    missing = sorted(name for name, count in num_pieces.items() if loaded.get(name, 0) < count)
+    if missing:
+        shown = ", ".join(missing[:3]) + (" ..." if len(missing) > 3 else "")
+        raise ValueError(f"checkpoint lacks {len(missing)} tensors: {shown}")

@@ -1,0 +1,334 @@
+"""OpenAI-compatible HTTP endpoints over the router (FastAPI).
+
+    POST /v1/completions  POST /v1/chat/completions  (stream and non-stream)
+    GET  /v1/models  /v1/workers  /health  /metrics
+
+User errors are 400 with OpenAI's error body, overload is 429/503 with Retry-After, a failed
+worker is 503 (or an SSE error event once a stream has started); never a 500 for user input.
+``"return_timing": true`` adds the server-side timestamps of the request (``timing``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from epdserve.cluster import messages as m
+from epdserve.errors import EpdserveError
+from epdserve.models.tokenizer import Tokenizer
+from epdserve.router.core import Overloaded, RequestHandle, Router
+from epdserve.router.protocol import ERROR_TYPES, ChatCompletionRequest, CompletionRequest, error_body
+from epdserve.router.timing import timing_json
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    names: tuple[str, ...]  # the first is reported in responses
+    tokenizer: Tokenizer
+    max_model_len: int
+    vocab_size: int
+
+
+def error_response(status: int, message: str, retry_after: int | None = None, param: str | None = None) -> JSONResponse:
+    headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
+    return JSONResponse(error_body(message, ERROR_TYPES.get(status, "Error"), status, param), status, headers=headers)
+
+
+class _Invalid(Exception):
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def create_app(router: Router, served: ServedModel, api_key: str | None = None) -> FastAPI:
+    app = FastAPI(title="epdserve", docs_url=None, redoc_url=None)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {}
+        if first.get("type") == "json_invalid":
+            return error_response(400, "request body is not valid JSON")
+        where = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
+        return error_response(400, f"{where}: {first.get('msg', 'invalid value')}" if where else str(first.get("msg")), param=where or None)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return error_response(exc.status_code, str(exc.detail))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        return error_response(500, f"internal error: {type(exc).__name__}")
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next):  # noqa: ANN001, ANN202
+        if api_key and request.url.path.startswith("/v1/"):
+            if request.headers.get("authorization") != f"Bearer {api_key}":
+                return error_response(401, "invalid or missing API key")
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200 if router.mode() else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(router.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        created = int(time.time())
+        return {"object": "list", "data": [
+            {"id": name, "object": "model", "created": created, "owned_by": "epdserve",
+             "max_model_len": served.max_model_len}
+            for name in served.names
+        ]}
+
+    @app.get("/v1/workers")
+    async def workers() -> dict:
+        return {"object": "list", "mode": router.mode(),
+                "data": [w.as_json() for w in router.registry.workers.values()]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        try:
+            prompt = body.single_prompt()
+            if isinstance(prompt, str):
+                if not prompt:
+                    raise _Invalid("prompt must not be empty", "prompt")
+                prompt_ids = served.tokenizer.encode(prompt)
+            else:
+                prompt_ids = list(prompt)
+        except EpdserveError as e:
+            return error_response(400, str(e), param="prompt")
+        except _Invalid as e:
+            return error_response(400, str(e), param=e.param)
+        return await _serve(body, prompt_ids, body.logprobs, request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest, request: Request) -> Response:
+        try:
+            text = served.tokenizer.apply_chat_template(body.text_messages())
+            prompt_ids = served.tokenizer.encode(text, add_special_tokens=False)
+        except EpdserveError as e:
+            return error_response(400, str(e), param="messages")
+        except Exception as e:  # a chat template that raises on these messages
+            return error_response(400, f"cannot apply the chat template: {e}", param="messages")
+        top = (body.top_logprobs or 0) if body.logprobs else None
+        if body.max_completion_tokens is not None and body.max_tokens is None:
+            body.max_tokens = body.max_completion_tokens
+        return await _serve(body, prompt_ids, top, request, chat=True)
+
+    async def _serve(body, prompt_ids: list[int], logprobs: int | None, request: Request, chat: bool) -> Response:  # noqa: ANN001
+        try:
+            _check_model(body.model)
+            max_tokens = _check_lengths(prompt_ids, body.max_tokens)
+            params = body.sampling_params(max_tokens, logprobs)
+        except _Invalid as e:
+            return error_response(400, str(e), param=e.param)
+        except EpdserveError as e:
+            return error_response(400, str(e))
+        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        try:
+            handle = await router.open(request_id, prompt_ids, params)
+        except Overloaded as e:
+            return error_response(e.status, str(e), retry_after=e.retry_after)
+        fmt = _Formatter(request_id, served.names[0], chat, served.tokenizer, body.return_timing, params.n)
+        if body.stream:
+            return StreamingResponse(
+                _stream(handle, fmt, body.include_usage, request),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache"},
+            )
+        return await _complete(handle, fmt, request)
+
+    def _check_model(name: str) -> None:
+        if name not in served.names:
+            raise _Invalid(f"model {name!r} does not exist; this server serves {served.names[0]!r}", "model")
+
+    def _check_lengths(prompt_ids: list[int], max_tokens: int | None) -> int:
+        num = len(prompt_ids)
+        if num == 0:
+            raise _Invalid("prompt must not be empty", "prompt")
+        bad = next((t for t in prompt_ids if not 0 <= t < served.vocab_size), None)
+        if bad is not None:
+            raise _Invalid(f"token id {bad} is outside the vocabulary", "prompt")
+        if num >= served.max_model_len:
+            raise _Invalid(
+                f"this model's maximum context length is {served.max_model_len} tokens; "
+                f"the prompt has {num} tokens", "prompt")
+        room = served.max_model_len - num
+        if max_tokens is None:
+            return room
+        if max_tokens < 1:
+            raise _Invalid(f"max_tokens must be at least 1, got {max_tokens}", "max_tokens")
+        if max_tokens > room:
+            raise _Invalid(
+                f"max_tokens is {max_tokens}, but the prompt has {num} tokens and this model's "
+                f"maximum context length is {served.max_model_len}", "max_tokens")
+        return max_tokens
+
+    async def _stream(handle: RequestHandle, fmt: _Formatter, include_usage: bool, request: Request) -> AsyncIterator[bytes]:
+        done = False
+        try:
+            if fmt.chat:
+                for index in range(fmt.n):
+                    yield _sse(fmt.chunk(index, role=True))
+            async for event in handle.events():
+                if event.error is not None:
+                    yield _sse(error_body(event.error, ERROR_TYPES[503], 503))
+                    done = True
+                    break
+                out = event.output
+                fmt.add(out)
+                yield _sse(fmt.chunk(out.index, out=out, timing=handle.timing if handle.num_finished >= fmt.n else None))
+            else:
+                done = True
+                if include_usage:
+                    yield _sse(fmt.usage_chunk(handle))
+            yield b"data: [DONE]\n\n"
+        finally:
+            if not done:
+                router.abort(handle.request_id)
+
+    async def _complete(handle: RequestHandle, fmt: _Formatter, request: Request) -> Response:
+        async def collect() -> str | None:
+            async for event in handle.events():
+                if event.error is not None:
+                    return event.error
+                fmt.add(event.output)
+            return None
+
+        collector = asyncio.ensure_future(collect())
+        watcher = asyncio.ensure_future(_wait_disconnect(request))
+        await asyncio.wait({collector, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        watcher.cancel()
+        if not collector.done():
+            collector.cancel()
+            router.abort(handle.request_id)
+            return Response(status_code=499)
+        error = collector.result()
+        if error is not None:
+            return error_response(503, error, retry_after=1)
+        return JSONResponse(fmt.full_response(handle))
+
+    return app
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def _sse(obj: dict) -> bytes:
+    return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
+
+
+class _Formatter:
+    """Builds OpenAI response objects and chunks for one request."""
+
+    def __init__(self, request_id: str, model: str, chat: bool, tokenizer: Tokenizer, timing: bool, n: int) -> None:
+        self.request_id = request_id
+        self.model = model
+        self.chat = chat
+        self.tokenizer = tokenizer
+        self.with_timing = timing
+        self.n = n
+        self.created = int(time.time())
+        self.texts = [""] * n
+        self.num_tokens = [0] * n
+        self.logprobs: list[list[m.TokenLogprob]] = [[] for _ in range(n)]
+        self.finish_reasons: list[str | None] = [None] * n
+        self.num_prompt_tokens = 0
+        self.num_cached_tokens = 0
+
+    def add(self, out: m.TokenOutput) -> None:
+        i = out.index
+        self.texts[i] += out.text
+        self.num_tokens[i] += len(out.token_ids)
+        self.logprobs[i] += out.logprobs
+        if out.finished:
+            self.finish_reasons[i] = out.finish_reason
+        self.num_prompt_tokens = out.num_prompt_tokens or self.num_prompt_tokens
+        self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
+
+    def _usage(self) -> dict:
+        completion = sum(self.num_tokens)
+        usage = {"prompt_tokens": self.num_prompt_tokens, "completion_tokens": completion,
+                 "total_tokens": self.num_prompt_tokens + completion}
+        if self.num_cached_tokens:
+            usage["prompt_tokens_details"] = {"cached_tokens": self.num_cached_tokens}
+        return usage
+
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _logprobs_json(self, entries: list[m.TokenLogprob], offset: int = 0) -> dict | None:
+        if not entries:
+            return None
+        if self.chat:
+            return {"content": [
+                {"token": self._token_text(e.token_id), "logprob": e.logprob,
+                 "bytes": list(self._token_text(e.token_id).encode()),
+                 "top_logprobs": [{"token": self._token_text(t), "logprob": lp,
+                                   "bytes": list(self._token_text(t).encode())}
+                                  for t, lp in zip(e.top_token_ids, e.top_logprobs)]}
+                for e in entries]}
+        tokens = [self._token_text(e.token_id) for e in entries]
+        offsets, pos = [], offset
+        for t in tokens:
+            offsets.append(pos)
+            pos += len(t)
+        return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
+                "top_logprobs": [{self._token_text(t): lp for t, lp in zip(e.top_token_ids, e.top_logprobs)}
+                                 for e in entries],
+                "text_offset": offsets}
+
+    def chunk(self, index: int, out: m.TokenOutput | None = None, role: bool = False, timing: m.Timing | None = None) -> dict:
+        finish = out.finish_reason if out is not None and out.finished else None
+        logprobs = self._logprobs_json(out.logprobs) if out is not None else None
+        if self.chat:
+            delta = {"role": "assistant", "content": ""} if role else {"content": out.text if out else ""}
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+            obj = "chat.completion.chunk"
+        else:
+            choice = {"index": index, "text": out.text if out else "", "logprobs": logprobs, "finish_reason": finish}
+            obj = "text_completion"
+        body = {"id": self.request_id, "object": obj, "created": self.created, "model": self.model, "choices": [choice]}
+        if timing is not None and self.with_timing:
+            body["timing"] = timing_json(timing)
+        return body
+
+    def usage_chunk(self, handle: RequestHandle) -> dict:
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        body = {"id": self.request_id, "object": obj, "created": self.created, "model": self.model,
+                "choices": [], "usage": self._usage()}
+        if self.with_timing:
+            body["timing"] = timing_json(handle.timing)
+        return body
+
+    def full_response(self, handle: RequestHandle) -> dict:
+        choices = []
+        for i in range(self.n):
+            logprobs = self._logprobs_json(self.logprobs[i])
+            if self.chat:
+                choices.append({"index": i, "message": {"role": "assistant", "content": self.texts[i]},
+                                "logprobs": logprobs, "finish_reason": self.finish_reasons[i]})
+            else:
+                choices.append({"index": i, "text": self.texts[i], "logprobs": logprobs,
+                                "finish_reason": self.finish_reasons[i]})
+        body = {"id": self.request_id, "object": "chat.completion" if self.chat else "text_completion",
+                "created": self.created, "model": self.model, "choices": choices, "usage": self._usage()}
+        if self.with_timing:
+            body["timing"] = timing_json(handle.timing)
+        return body

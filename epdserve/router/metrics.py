@@ -1,0 +1,41 @@
+"""Prometheus metrics of the router: latencies, KV transfer volume, per-worker load."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+# Seconds; fine at the low end, where decode gaps on a CPU sit.
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0,
+                    1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+
+
+class RouterMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram("epdserve_time_to_first_token_seconds", "Time to first token", buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("epdserve_inter_token_latency_seconds", "Gap between output chunks", buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("epdserve_e2e_request_latency_seconds", "End-to-end request latency", buckets=_LATENCY_BUCKETS, registry=r)
+        self.queue_time = Histogram("epdserve_request_queue_time_seconds", "Arrival to prefill start", buckets=_LATENCY_BUCKETS, registry=r)
+        self.requests = Counter("epdserve_requests_total", "Finished requests by outcome", ["outcome"], registry=r)
+        self.rejected = Counter("epdserve_requests_rejected_total", "Requests refused at admission", ["reason"], registry=r)
+        self.kv_bytes = Counter("epdserve_kv_transfer_bytes_total", "KV bytes moved prefill -> decode", registry=r)
+        self.kv_seconds = Counter("epdserve_kv_transfer_seconds_total", "Seconds KV transfers were in flight", registry=r)
+        self.kv_exposed = Counter("epdserve_kv_transfer_exposed_seconds_total", "KV transfer time not hidden behind prefill", registry=r)
+        self.prompt_tokens = Counter("epdserve_prompt_tokens_total", "Prompt tokens", registry=r)
+        self.generation_tokens = Counter("epdserve_generation_tokens_total", "Generated tokens", registry=r)
+        labels = ["worker", "role"]
+        self.blocks_used = Gauge("epdserve_worker_kv_blocks_used", "KV blocks in use", labels, registry=r)
+        self.blocks_free = Gauge("epdserve_worker_kv_blocks_free", "KV blocks free", labels, registry=r)
+        self.running = Gauge("epdserve_worker_requests_running", "Requests running", labels, registry=r)
+        self.waiting = Gauge("epdserve_worker_requests_waiting", "Requests waiting", labels, registry=r)
+        self.worker_up = Gauge("epdserve_worker_up", "1 while the worker is alive", labels, registry=r)
+
+    def observe_load(self, worker: str, role: str, running: int, waiting: int, used: int, free: int) -> None:
+        self.running.labels(worker, role).set(running)
+        self.waiting.labels(worker, role).set(waiting)
+        self.blocks_used.labels(worker, role).set(used)
+        self.blocks_free.labels(worker, role).set(free)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

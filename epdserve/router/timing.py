@@ -1,0 +1,44 @@
+"""Server-side timing of one request, as returned with ``"return_timing": true``.
+
+TTFT decomposes as ``queue + encode + prefill + exposed KV transfer + first-token output``:
+
+    arrived ─queue─▶ prefill_start ─prefill─▶ prefill_end ─first token out─▶ first_token
+                                    kv_transfer_start ··· kv_transfer_end (exposed part:
+                                    after prefill_end, not hidden behind prefill compute)
+
+The prefill worker samples the first token and the router streams it at once, so on the P/D
+path the exposed transfer delays the second token rather than the first; it is reported
+beside the TTFT components so that the hand-off cost is visible either way.
+"""
+
+from __future__ import annotations
+
+from epdserve.cluster.messages import Timing
+
+
+def _ms(later: float, earlier: float) -> float:
+    return round(max(0.0, later - earlier) * 1e3, 3) if later and earlier else 0.0
+
+
+def timing_json(t: Timing) -> dict:
+    prefill_end = t.prefill_end or t.first_token
+    return {
+        "arrived": t.arrived,
+        "admitted": t.admitted,
+        "prefill_start": t.prefill_start,
+        "prefill_end": t.prefill_end,
+        "kv_transfer_start": t.kv_transfer_start,
+        "kv_transfer_end": t.kv_transfer_end,
+        "first_token": t.first_token,
+        "decode_start": t.decode_start,
+        "finished": t.finished,
+        "num_cached_tokens": t.num_cached_tokens,
+        "queue_ms": _ms(t.prefill_start, t.arrived),
+        "encode_ms": 0.0,
+        "prefill_ms": _ms(t.prefill_end, t.prefill_start),
+        "kv_transfer_ms": _ms(t.kv_transfer_end, t.kv_transfer_start),
+        "exposed_transfer_ms": round(t.kv_exposed_s * 1e3, 3),
+        "first_token_ms": _ms(t.first_token, prefill_end),
+        "ttft_ms": _ms(t.first_token, t.arrived),
+        "e2e_ms": _ms(t.finished, t.arrived),
+    }

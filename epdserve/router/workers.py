@@ -1,0 +1,77 @@
+"""What the router knows of each worker, and how it picks one (routing policy)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from epdserve.cluster import messages as m
+
+
+@dataclass
+class WorkerInfo:
+    worker_id: str
+    role: str
+    pid: int
+    host: str
+    model_name: str
+    max_model_len: int
+    num_kv_blocks: int
+    block_size: int
+    endpoint: m.KVEndpoint | None
+    state: str = "ready"  # "ready" | "dead"
+    load: m.Load = field(default_factory=lambda: m.Load(0, 0, 0, 0))
+    last_seen: float = field(default_factory=time.monotonic)  # seconds, monotonic
+    request_ids: set[str] = field(default_factory=set)  # router requests touching this worker
+    num_submitted: int = 0  # requests sent since the last heartbeat (load the report lags)
+
+    @property
+    def is_ready(self) -> bool:
+        return self.state == "ready"
+
+    def as_json(self) -> dict:
+        load = self.load
+        return {
+            "id": self.worker_id,
+            "role": self.role,
+            "pid": self.pid,
+            "host": self.host,
+            "state": self.state,
+            "load": {
+                "num_requests": len(self.request_ids),
+                "num_running": load.num_running,
+                "num_waiting": load.num_waiting,
+                "num_free_blocks": load.num_free_blocks,
+                "num_used_blocks": load.num_used_blocks,
+                "num_reserved": load.num_reserved,
+                "num_transferring": load.num_transferring,
+            },
+        }
+
+
+class WorkerRegistry:
+    def __init__(self) -> None:
+        self.workers: dict[str, WorkerInfo] = {}
+
+    def add(self, info: WorkerInfo) -> None:
+        self.workers[info.worker_id] = info
+
+    def get(self, worker_id: str) -> WorkerInfo | None:
+        return self.workers.get(worker_id)
+
+    def ready(self, role: str) -> list[WorkerInfo]:
+        return [w for w in self.workers.values() if w.role == role and w.is_ready]
+
+    def count_ready(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for w in self.workers.values():
+            if w.is_ready:
+                counts[w.role] = counts.get(w.role, 0) + 1
+        return counts
+
+    def pick(self, role: str) -> WorkerInfo | None:
+        """The ready worker of ``role`` with the fewest requests in hand (ties: most free blocks)."""
+        candidates = self.ready(role)
+        if not candidates:
+            return None
+        return min(candidates, key=lambda w: (len(w.request_ids), -w.load.num_free_blocks))

@@ -1,0 +1,235 @@
+"""The KV connector, worker side: a prefill worker pushes KV into decode workers' pages.
+
+Two halves, as in vLLM's v1 connector. The scheduler side (``Scheduler`` with
+``hold_blocks_for_transfer``) keeps a finished prefill's blocks until the transfer reports
+done. This worker side moves the bytes: before a step the runner hands it one
+``PushItem`` per request whose KV leaves this worker; attention calls ``save_layer(l)``
+as soon as layer l's KV for the step is in the local pages (layer-wise), or the whole
+prompt goes after the last chunk (bulk). Only descriptors are computed at run time:
+the peer's pages were mapped (shm) or its connection opened (tcp) at start-up.
+
+Token ranges pushed for a prompt of 10 tokens in chunks of 4 (layer-wise)::
+
+    step 1: positions 0..3   step 2: 4..7   step 3: 8..9 + end of request
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from epdserve.cluster.messages import KVEndpoint
+from epdserve.transfer.shm_pool import SharedKVPool
+from epdserve.transfer.tcp import TcpKVSender
+
+
+class PeerLink(Protocol):
+    num_bytes_sent: int
+    seconds_sending: float
+
+    def write(self, request_id: str, layer: int, kv: torch.Tensor, dst_slots: torch.Tensor) -> None: ...
+    def finish(self, request_id: str) -> None: ...
+    def poll_done(self) -> tuple[list[str], list[str]]: ...
+    def close(self) -> None: ...
+
+
+class ShmLink:
+    """Writes straight into the decode worker's pool, mapped once: done when written."""
+
+    def __init__(self, endpoint: KVEndpoint) -> None:
+        self.pool = SharedKVPool.attach(endpoint)
+        self._flat = [layer.view(2, -1, *layer.shape[3:]) for layer in self.pool.layers]
+        self._done: list[str] = []
+        self.num_bytes_sent = 0
+        self.seconds_sending = 0.0
+
+    def write(self, request_id: str, layer: int, kv: torch.Tensor, dst_slots: torch.Tensor) -> None:
+        start = time.perf_counter()
+        self._flat[layer].index_copy_(1, dst_slots, kv.to(self.pool.dtype))
+        self.num_bytes_sent += kv.numel() * kv.element_size()
+        self.seconds_sending += time.perf_counter() - start
+
+    def finish(self, request_id: str) -> None:
+        self._done.append(request_id)
+
+    def poll_done(self) -> tuple[list[str], list[str]]:
+        done, self._done = self._done, []
+        return done, []
+
+    def close(self) -> None:
+        self._flat = []
+        self.pool.close()
+
+
+def open_link(endpoint: KVEndpoint) -> PeerLink:
+    if endpoint.transport == "shm":
+        return ShmLink(endpoint)
+    if endpoint.transport == "tcp":
+        return TcpKVSender(endpoint.host, endpoint.port)
+    raise ValueError(f"unknown KV transport {endpoint.transport!r}")
+
+
+@dataclass
+class PushItem:
+    """One request's share of one step. Tables are per group; slot = block * block_size + offset."""
+
+    request_id: str
+    target: str  # decode worker id
+    start: int  # first position to push this step
+    end: int  # one past the last position computed this step
+    src_tables: list[list[int]]
+    dst_tables: list[list[int]]
+    is_last: bool  # the prompt's last chunk: the request's transfer ends with this step
+    src_slots: list[torch.Tensor] = field(default_factory=list)  # per group, filled by begin_step
+    dst_slots: list[torch.Tensor] = field(default_factory=list)
+
+
+@dataclass
+class TransferStats:
+    request_id: str
+    ok: bool
+    kv_bytes: int
+    start: float  # seconds since the epoch
+    end: float
+    compute_end: float  # when the prompt's last chunk finished computing
+
+
+class KVPusher:
+    def __init__(
+        self,
+        kv_caches: list[torch.Tensor],
+        layer_to_group: list[int],
+        block_size: int,
+        layerwise: bool = True,
+    ) -> None:
+        self.kv_caches = kv_caches
+        self.layer_to_group = layer_to_group
+        self.block_size = block_size
+        self.layerwise = layerwise
+        self.links: dict[str, PeerLink] = {}
+        self._items: list[PushItem] = []
+        self._targets: dict[str, str] = {}  # request id -> decode worker id, while in flight
+        self._started: dict[str, float] = {}
+        self._bytes: dict[str, int] = {}
+        self._compute_end: dict[str, float] = {}
+        self._finished: list[TransferStats] = []
+
+    # -- peers ---------------------------------------------------------------------------
+    def add_peer(self, worker_id: str, endpoint: KVEndpoint) -> None:
+        old = self.links.pop(worker_id, None)
+        if old is not None:
+            old.close()
+        self.links[worker_id] = open_link(endpoint)
+
+    def remove_peer(self, worker_id: str) -> list[str]:
+        """Drop a dead decode worker; returns the requests whose transfer to it failed."""
+        link = self.links.pop(worker_id, None)
+        if link is not None:
+            link.close()
+        failed = [rid for rid, target in self._targets.items() if target == worker_id]
+        for rid in failed:
+            self._finish(rid, ok=False)
+        return failed
+
+    def abort(self, request_id: str) -> None:
+        if request_id in self._targets:
+            self._targets.pop(request_id)
+            self._started.pop(request_id, None)
+            self._bytes.pop(request_id, None)
+            self._compute_end.pop(request_id, None)
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._targets)
+
+    @property
+    def num_bytes_sent(self) -> int:
+        return sum(link.num_bytes_sent for link in self.links.values())
+
+    @property
+    def seconds_sending(self) -> float:
+        return sum(link.seconds_sending for link in self.links.values())
+
+    # -- one step ------------------------------------------------------------------------
+    def begin_step(self, items: list[PushItem]) -> None:
+        bs = self.block_size
+        self._items = []
+        for item in items:
+            if item.target not in self.links:
+                self._targets[item.request_id] = item.target
+                self._finish(item.request_id, ok=False)
+                continue
+            self._targets[item.request_id] = item.target
+            self._started.setdefault(item.request_id, time.time())
+            if not self.layerwise:
+                if not item.is_last:
+                    continue
+                item.start = 0  # bulk: the whole prompt after its last chunk
+            positions = range(item.start, item.end)
+            item.src_slots = [
+                torch.tensor([t[p // bs] * bs + p % bs for p in positions], dtype=torch.long)
+                for t in item.src_tables
+            ]
+            item.dst_slots = [
+                torch.tensor([t[p // bs] * bs + p % bs for p in positions], dtype=torch.long)
+                for t in item.dst_tables
+            ]
+            self._items.append(item)
+
+    def save_layer(self, layer: int) -> None:
+        """Layer ``layer``'s KV for this step is in the local pages: push it (layer-wise)."""
+        if self.layerwise:
+            self._push_layer(layer)
+
+    def end_step(self) -> None:
+        """After the forward pass: bulk pushes, end-of-request markers."""
+        if not self.layerwise:
+            for layer in range(len(self.kv_caches)):
+                self._push_layer(layer)
+        now = time.time()
+        for item in self._items:
+            if item.is_last and item.request_id in self._targets:
+                self._compute_end[item.request_id] = now
+                self.links[item.target].finish(item.request_id)
+        self._items = []
+
+    def _push_layer(self, layer: int) -> None:
+        group = self.layer_to_group[layer]
+        flat = self.kv_caches[layer].view(2, -1, *self.kv_caches[layer].shape[3:])
+        for item in self._items:
+            link = self.links.get(item.target)
+            if link is None or item.request_id not in self._targets:
+                continue
+            kv = flat.index_select(1, item.src_slots[group])
+            link.write(item.request_id, layer, kv, item.dst_slots[group])
+            self._bytes[item.request_id] = self._bytes.get(item.request_id, 0) + kv.numel() * kv.element_size()
+
+    def poll(self) -> list[TransferStats]:
+        """Transfers that completed or failed since the last poll."""
+        for link in self.links.values():
+            done, failed = link.poll_done()
+            for rid in done:
+                self._finish(rid, ok=True)
+            for rid in failed:
+                self._finish(rid, ok=False)
+        finished, self._finished = self._finished, []
+        return finished
+
+    def _finish(self, request_id: str, ok: bool) -> None:
+        if self._targets.pop(request_id, None) is None:
+            return
+        now = time.time()
+        self._finished.append(
+            TransferStats(
+                request_id, ok, self._bytes.pop(request_id, 0), self._started.pop(request_id, now),
+                now, self._compute_end.pop(request_id, now),
+            )
+        )
+
+    def close(self) -> None:
+        for link in self.links.values():
+            link.close()
+        self.links.clear()

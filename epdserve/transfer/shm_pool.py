@@ -1,0 +1,106 @@
+"""A KV pool in POSIX shared memory, so another process can write into its pages.
+
+One segment holds every layer: layer l occupies ``[2, num_blocks, block_size, num_kv_heads,
+head_dim]`` elements starting at ``offsets[l]``. The owner creates it (mode 0600) and unlinks
+it on close; a peer attaches once at start-up and keeps the mapping.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from multiprocessing import resource_tracker, shared_memory
+
+import torch
+
+from epdserve.cluster.messages import KVEndpoint
+
+
+def _layer_numels(num_blocks: int, block_size: int, layer_shapes: list[tuple[int, int]]) -> list[int]:
+    return [2 * num_blocks * block_size * heads * dim for heads, dim in layer_shapes]
+
+
+class SharedKVPool:
+    def __init__(
+        self,
+        segment: shared_memory.SharedMemory,
+        owner: bool,
+        num_blocks: int,
+        block_size: int,
+        layer_shapes: list[tuple[int, int]],
+        dtype: torch.dtype,
+    ) -> None:
+        self.segment = segment
+        self.owner = owner
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.layer_shapes = layer_shapes
+        self.dtype = dtype
+        flat = torch.frombuffer(segment.buf, dtype=dtype)
+        self.layers: list[torch.Tensor] = []
+        offset = 0
+        for (heads, dim), numel in zip(layer_shapes, _layer_numels(num_blocks, block_size, layer_shapes)):
+            view = flat[offset : offset + numel].view(2, num_blocks, block_size, heads, dim)
+            self.layers.append(view)
+            offset += numel
+        self._flat = flat
+
+    @classmethod
+    def create(
+        cls,
+        num_blocks: int,
+        block_size: int,
+        layer_shapes: list[tuple[int, int]],
+        dtype: torch.dtype,
+        name_prefix: str = "epdserve-kv",
+    ) -> SharedKVPool:
+        itemsize = torch.tensor([], dtype=dtype).element_size()
+        size = sum(_layer_numels(num_blocks, block_size, layer_shapes)) * itemsize
+        name = f"{name_prefix}-{os.getpid()}-{secrets.token_hex(4)}"
+        old_umask = os.umask(0o077)  # segment readable and writable by this user only
+        try:
+            segment = shared_memory.SharedMemory(name=name, create=True, size=size)
+        finally:
+            os.umask(old_umask)
+        pool = cls(segment, True, num_blocks, block_size, layer_shapes, dtype)
+        pool._flat.zero_()
+        return pool
+
+    @classmethod
+    def attach(cls, endpoint: KVEndpoint) -> SharedKVPool:
+        segment = shared_memory.SharedMemory(name=endpoint.shm_name, create=False)
+        # The owner unlinks the segment; this process must not do it at its exit.
+        try:
+            resource_tracker.unregister(segment._name, "shared_memory")  # type: ignore[attr-defined]
+        except Exception:
+            pass
+        dtype = getattr(torch, endpoint.dtype)
+        shapes = [tuple(s) for s in endpoint.layer_shapes]
+        return cls(segment, False, endpoint.num_blocks, endpoint.block_size, shapes, dtype)
+
+    @property
+    def name(self) -> str:
+        return self.segment.name
+
+    def endpoint(self) -> KVEndpoint:
+        return KVEndpoint(
+            transport="shm",
+            shm_name=self.name,
+            num_blocks=self.num_blocks,
+            block_size=self.block_size,
+            dtype=str(self.dtype).removeprefix("torch."),
+            layer_shapes=[tuple(s) for s in self.layer_shapes],
+        )
+
+    def close(self) -> None:
+        self.layers = []
+        self._flat = None  # type: ignore[assignment]
+        try:
+            self.segment.close()
+        except BufferError:
+            pass  # a tensor view still exports the buffer; the mapping goes with the process
+        if self.owner:
+            try:
+                self.segment.unlink()
+            except FileNotFoundError:
+                pass
