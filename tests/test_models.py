@@ -65,8 +65,14 @@ def _reference_logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
 
 
 def _assert_logits_match(ours: torch.Tensor, theirs: torch.Tensor) -> None:
+    """Elementwise |ours - theirs| <= 2e-3 + 1e-4 |theirs|, and the same argmax everywhere.
+
+    (torch.testing.assert_close does the same in several times the time on [600, 262k].)
+    """
     assert ours.dtype == torch.float32 and ours.shape == theirs.shape
-    torch.testing.assert_close(ours, theirs, atol=2e-3, rtol=1e-4)
+    diff = (ours - theirs).abs_()
+    tolerance = theirs.abs().mul_(1e-4).add_(2e-3)
+    assert bool((diff <= tolerance).all()), f"max |logit diff| {diff.max().item():.2e}"
     assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
 
 
@@ -123,7 +129,7 @@ def test_gemma_long_prompt_logits_match_transformers(
 ) -> None:
     text = " ".join(
         f"Paragraph {i}: the river bends near the old mill, where {i * 7} ducks rest."
-        for i in range(40)
+        for i in range(31)
     )
     ids = gemma.tokenizer.encode(text)
     assert len(ids) > 600  # beyond the 512-token window of the sliding layers

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import socket
 import sys
 import time
@@ -76,6 +77,8 @@ async def serve(ns: argparse.Namespace) -> int:
     from epdserve.router.core import Router, RouterConfig
 
     roles = plan_workers(ns)
+    if ns.worker_log_dir:
+        os.makedirs(ns.worker_log_dir, exist_ok=True)
     info = load_model_info(ns.model)
     max_model_len = ns.max_model_len or min(info.spec.max_position_embeddings, 4096)
     names = tuple(ns.served_model_name or [info.spec.name])
