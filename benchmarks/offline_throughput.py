@@ -63,12 +63,16 @@ def run_vllm(args: argparse.Namespace) -> dict | None:
         str(PEER), "bench", "throughput", "--model", model_dir, "--dtype", "bfloat16",
         "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
         "--num-prompts", str(args.num_prompts), "--max-model-len", "4096",
+        # vLLM reserves this share of the NUMA node's free memory at start and refuses to start
+        # when the page cache has taken some of it; its KV cache size is set separately.
+        "--gpu-memory-utilization", "0.5",
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     out = proc.stdout + proc.stderr
     match = re.search(r"Throughput: ([\d.]+) requests/s, ([\d.]+) total tokens/s, ([\d.]+) output tokens/s", out)
     if not match:
-        print(out[-3000:], file=sys.stderr)
+        errors = [line for line in out.splitlines() if "Error" in line]
+        print("vLLM failed: " + (errors[-1] if errors else out[-2000:]), file=sys.stderr)
         return None
     return {
         "requests_per_s": float(match.group(1)),

@@ -110,6 +110,7 @@ def _worker(ns: argparse.Namespace) -> int:
     opts = WorkerOptions(
         role=ns.role, router=ns.router, cores=cores, kv_transport=ns.kv_transport, kv_host=ns.kv_host,
         layerwise=not ns.no_layerwise, die_with_parent=ns.die_with_parent,
+        stall_kv_transfers=ns.debug_stall_kv_transfers,
         **({"worker_id": ns.worker_id} if ns.worker_id else {}),
     )
     return run_worker(opts, engine_args_from(ns))
@@ -149,6 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
     wrk.add_argument("--kv-host", default="127.0.0.1", help="decode + tcp: address of the KV listener")
     wrk.add_argument("--no-layerwise", action="store_true", help="prefill: push KV in bulk after prefill")
     wrk.add_argument("--die-with-parent", action="store_true", help=argparse.SUPPRESS)
+    wrk.add_argument("--debug-stall-kv-transfers", action="store_true", help=argparse.SUPPRESS)
     add_engine_args(wrk)
     wrk.set_defaults(func=_worker)
 

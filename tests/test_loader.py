@@ -11,8 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from epdserve.models import ModelLoadError, load_model, resolve_model_path
-from epdserve.models import gguf_loader, weight_cache
+from epdserve.models import ModelLoadError, gguf_loader, load_model, resolve_model_path, weight_cache
 from epdserve.models.loader import converted_gguf_dir, served_name
 
 transformers = pytest.importorskip("transformers")
@@ -40,17 +39,17 @@ def tokenizer_files(cache_dir: Path, default_gguf: Path) -> Path:
 
 
 def _tiny_hf_config(model_type: str) -> transformers.PretrainedConfig:
-    common = dict(
-        vocab_size=VOCAB_SIZE,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
+    common = {
+        "vocab_size": VOCAB_SIZE,
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 256,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    }
     if model_type == "llama":
         return transformers.LlamaConfig(**common, tie_word_embeddings=False, rope_theta=5000.0)
     if model_type == "qwen2":
@@ -58,9 +57,11 @@ def _tiny_hf_config(model_type: str) -> transformers.PretrainedConfig:
     if model_type == "qwen3":
         return transformers.Qwen3Config(**common, head_dim=32, tie_word_embeddings=True)
     return transformers.Gemma3TextConfig(
-        **common, head_dim=32, sliding_window=5, query_pre_attn_scalar=24, layer_types=[
-            "sliding_attention", "full_attention", "sliding_attention"
-        ]
+        **common,
+        head_dim=32,
+        sliding_window=5,
+        query_pre_attn_scalar=24,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
     )
 
 
@@ -112,6 +113,12 @@ def test_gguf_conversion_is_cached(
     entry = weight_cache.lookup(default_gguf)
     assert entry is not None and entry.parent.parent == cache_dir
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(os.listdir(entry))
+    config_file = entry / "tokenizer_config.json"
+    original = config_file.read_bytes()
+    config_file.write_bytes(original[:-1])  # a torn write: the entry no longer counts
+    assert weight_cache.lookup(default_gguf) is None
+    config_file.write_bytes(original)
+    assert weight_cache.lookup(default_gguf) == entry
 
     def forbidden(*args: object) -> None:
         raise AssertionError("a cached model must not be converted again")
@@ -196,3 +203,10 @@ def test_served_name_strips_quantization() -> None:
     assert served_name(Path("SmolLM2-135M-Instruct.Q4_1.gguf")) == "SmolLM2-135M-Instruct"
     assert served_name(Path("gemma-3-270m-q4_k_m.gguf")) == "gemma-3-270m"
     assert served_name(Path("model.gguf")) == "model"
+
+
+def test_unwritable_cache_dir(default_gguf: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("")
+    monkeypatch.setenv("EPDSERVE_CACHE_DIR", str(blocker))
+    _assert_one_line_load_error(str(default_gguf), "cannot convert .* into the weight cache")

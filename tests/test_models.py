@@ -124,12 +124,9 @@ def test_gemma_spec(gemma: LoadedModel) -> None:
     assert spec.eos_token_ids == (1, end_of_turn)
 
 
-def test_gemma_long_prompt_logits_match_transformers(
-    gemma: LoadedModel, hf_gemma3: torch.nn.Module
-) -> None:
+def test_gemma_long_prompt_logits_match_transformers(gemma: LoadedModel, hf_gemma3: torch.nn.Module) -> None:
     text = " ".join(
-        f"Paragraph {i}: the river bends near the old mill, where {i * 7} ducks rest."
-        for i in range(31)
+        f"Paragraph {i}: the river bends near the old mill, where {i * 7} ducks rest." for i in range(31)
     )
     ids = gemma.tokenizer.encode(text)
     assert len(ids) > 600  # beyond the 512-token window of the sliding layers
@@ -143,9 +140,7 @@ def test_tokenizer_matches_transformers(name: str, smollm: LoadedModel, gemma: L
     for text in TOKENIZER_TEXTS:
         ids = ours.encode(text)
         assert ids == reference.encode(text)
-        assert ours.encode(text, add_special_tokens=False) == reference.encode(
-            text, add_special_tokens=False
-        )
+        assert ours.encode(text, add_special_tokens=False) == reference.encode(text, add_special_tokens=False)
         assert ours.decode(ids) == reference.decode(ids, skip_special_tokens=True)
         assert ours.decode(ids, skip_special_tokens=False) == reference.decode(ids)
     template = reference.chat_template or GEMMA_CHAT_TEMPLATE

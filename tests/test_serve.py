@@ -264,3 +264,24 @@ def test_kill_prefill_worker_frees_decode_reservation(tmp_path):
         assert complete(server, "Still alive?")["choices"][0]["text"] is not None
     finally:
         stop_server(server)
+
+
+@pytest.mark.parametrize("policy", ["fail", "recompute"])
+def test_stalled_transfer_times_out_under_policy(tmp_path, pd_shm, policy):
+    expected = complete(pd_shm, "The capital of France is", max_tokens=10)["choices"][0]["text"]
+    server = start_server(SMALL + ["--debug-stall-kv-transfers", "--transfer-timeout", "1",
+                                   "--transfer-policy", policy], str(tmp_path))
+    try:
+        lines = []
+        body = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 10, "temperature": 0,
+                "stream": True}
+        _stream_lines(server, body, lambda d: lines.append(d) or d != "[DONE]")
+        chunks = [json.loads(d) for d in lines if d != "[DONE]"]
+        if policy == "fail":
+            assert "error" in chunks[-1] and "did not finish" in chunks[-1]["error"]["message"]
+            assert len(chunks) == 2  # the first token, then the error
+        else:
+            assert "".join(c["choices"][0]["text"] for c in chunks) == expected
+        server.wait_all_blocks_free()
+    finally:
+        stop_server(server)

@@ -47,6 +47,7 @@ class WorkerOptions:
     heartbeat_s: float = 0.2
     reservation_lease_s: float = 60.0  # decode: a reservation whose KV never lands expires
     die_with_parent: bool = False
+    stall_kv_transfers: bool = False  # fault injection (tests): prefill never finishes a transfer
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -95,6 +96,7 @@ class Worker:
         if opts.role == "prefill":
             runner = self.engine.runner
             runner.pusher = KVPusher(runner.kv_caches, runner.layer_to_group, runner.block_size, opts.layerwise)
+            runner.pusher.stall = opts.stall_kv_transfers
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.IDENTITY, opts.worker_id.encode())

@@ -5,7 +5,7 @@ Differences from Llama, all as in Hugging Face's Gemma3ForCausalLM:
 - RMSNorm computes norm(x) * (1 + w); four norms per layer (input, post-attention,
   pre-feedforward, post-feedforward) plus per-head q/k norms;
 - attention scale is query_pre_attn_scalar ** -0.5;
-- sliding layers use RoPE base ``rope_local_theta`` (10000), full layers ``rope_global``;
+- sliding layers use RoPE ``rope_local`` (base 10000), full layers ``rope_global``;
 - MLP activation is gelu with the tanh approximation; logits may be tanh-softcapped.
 
 Per layer::
@@ -26,7 +26,7 @@ from torch import nn
 
 from epdserve.models.layers.attention import Attention
 from epdserve.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from epdserve.models.layers.linear import QKVParallelLinear, RowParallelLinear
+from epdserve.models.layers.linear import Placement, QKVParallelLinear, RowParallelLinear
 from epdserve.models.layers.norm import GemmaQKNorm, GemmaRMSNorm
 from epdserve.models.layers.rotary import RopeConfig, RotaryEmbedding
 from epdserve.models.llama import LLAMA_STACKED_PARAMS, GatedMLP, load_stacked_weights, qkv_attention
@@ -94,39 +94,24 @@ class Gemma3Config:
 
 
 class Gemma3Attention(nn.Module):
-    def __init__(
-        self,
-        spec: ModelSpec,
-        config: Gemma3Config,
-        layer_idx: int,
-        tp_rank: int,
-        tp_size: int,
-        dtype: torch.dtype | None,
-        device: torch.device | str | None,
-    ) -> None:
+    def __init__(self, spec: ModelSpec, config: Gemma3Config, layer_idx: int, placement: Placement) -> None:
         super().__init__()
         self.head_dim = spec.head_dim
-        parallel = dict(tp_rank=tp_rank, tp_size=tp_size, dtype=dtype, device=device)
         self.qkv_proj = QKVParallelLinear(
             spec.hidden_size,
             spec.head_dim,
             spec.num_heads,
             spec.num_kv_heads,
-            bias=config.attention_bias,
-            **parallel,
+            config.attention_bias,
+            **placement.parallel_args,
         )
         self.num_heads = self.qkv_proj.num_heads
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.o_proj = RowParallelLinear(
-            spec.num_heads * spec.head_dim, spec.hidden_size, bias=config.attention_bias, **parallel
+            spec.num_heads * spec.head_dim, spec.hidden_size, config.attention_bias, **placement.parallel_args
         )
         self.qk_norm = GemmaQKNorm(
-            self.num_heads,
-            self.num_kv_heads,
-            spec.head_dim,
-            config.rms_norm_eps,
-            dtype=dtype,
-            device=device,
+            self.num_heads, self.num_kv_heads, spec.head_dim, config.rms_norm_eps, **placement.tensor_args
         )
         self.attn = Attention(
             self.num_heads,
@@ -142,37 +127,16 @@ class Gemma3Attention(nn.Module):
 
 
 class Gemma3DecoderLayer(nn.Module):
-    def __init__(
-        self,
-        spec: ModelSpec,
-        config: Gemma3Config,
-        layer_idx: int,
-        tp_rank: int,
-        tp_size: int,
-        dtype: torch.dtype | None,
-        device: torch.device | str | None,
-    ) -> None:
+    def __init__(self, spec: ModelSpec, config: Gemma3Config, layer_idx: int, placement: Placement) -> None:
         super().__init__()
         self.is_sliding = spec.sliding_windows[layer_idx] is not None
-        self.self_attn = Gemma3Attention(spec, config, layer_idx, tp_rank, tp_size, dtype, device)
-        self.mlp = GatedMLP(
-            spec.hidden_size,
-            config.intermediate_size,
-            config.hidden_act,
-            False,
-            tp_rank,
-            tp_size,
-            dtype,
-            device,
-        )
-
-        def norm() -> GemmaRMSNorm:
-            return GemmaRMSNorm(spec.hidden_size, config.rms_norm_eps, dtype=dtype, device=device)
-
-        self.input_layernorm = norm()
-        self.post_attention_layernorm = norm()
-        self.pre_feedforward_layernorm = norm()
-        self.post_feedforward_layernorm = norm()
+        self.self_attn = Gemma3Attention(spec, config, layer_idx, placement)
+        self.mlp = GatedMLP(spec.hidden_size, config.intermediate_size, config.hidden_act, False, placement)
+        norm_args = (spec.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = GemmaRMSNorm(*norm_args, **placement.tensor_args)
+        self.post_attention_layernorm = GemmaRMSNorm(*norm_args, **placement.tensor_args)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(*norm_args, **placement.tensor_args)
+        self.post_feedforward_layernorm = GemmaRMSNorm(*norm_args, **placement.tensor_args)
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         attn_out = self.self_attn(self.input_layernorm(hidden), cos, sin)
@@ -182,38 +146,20 @@ class Gemma3DecoderLayer(nn.Module):
 
 
 class Gemma3Model(nn.Module):
-    def __init__(
-        self,
-        spec: ModelSpec,
-        config: Gemma3Config,
-        tp_rank: int,
-        tp_size: int,
-        dtype: torch.dtype | None,
-        device: torch.device | str | None,
-    ) -> None:
+    def __init__(self, spec: ModelSpec, config: Gemma3Config, placement: Placement) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(
-            spec.vocab_size,
-            spec.hidden_size,
-            tp_rank=tp_rank,
-            tp_size=tp_size,
-            dtype=dtype,
-            device=device,
+            spec.vocab_size, spec.hidden_size, **placement.parallel_args
         )
         # HF multiplies by a 0-dim tensor of the weight's dtype: round the factor the same way.
-        self.embed_scale = float(torch.tensor(math.sqrt(spec.hidden_size), dtype=dtype))
+        self.embed_scale = float(torch.tensor(math.sqrt(spec.hidden_size), dtype=placement.dtype))
         self.layers = nn.ModuleList(
-            Gemma3DecoderLayer(spec, config, i, tp_rank, tp_size, dtype, device)
-            for i in range(spec.num_layers)
+            Gemma3DecoderLayer(spec, config, i, placement) for i in range(spec.num_layers)
         )
-        self.norm = GemmaRMSNorm(spec.hidden_size, config.rms_norm_eps, dtype=dtype, device=device)
+        self.norm = GemmaRMSNorm(spec.hidden_size, config.rms_norm_eps, **placement.tensor_args)
         rope_args = (spec.head_dim, spec.max_position_embeddings)
-        self.rotary_emb_global = RotaryEmbedding(
-            *rope_args, config.rope_global, dtype=dtype, device=device
-        )
-        self.rotary_emb_local = RotaryEmbedding(
-            *rope_args, config.rope_local, dtype=dtype, device=device
-        )
+        self.rotary_emb_global = RotaryEmbedding(*rope_args, config.rope_global, **placement.tensor_args)
+        self.rotary_emb_local = RotaryEmbedding(*rope_args, config.rope_local, **placement.tensor_args)
 
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         cos_sin_global = self.rotary_emb_global.cos_sin(positions)
@@ -240,15 +186,9 @@ class Gemma3ForCausalLM(nn.Module):
         super().__init__()
         self.spec = spec
         self.config = config
-        self.model = Gemma3Model(spec, config, tp_rank, tp_size, dtype, device)
-        self.lm_head = ParallelLMHead(
-            spec.vocab_size,
-            spec.hidden_size,
-            tp_rank=tp_rank,
-            tp_size=tp_size,
-            dtype=dtype,
-            device=device,
-        )
+        placement = Placement(tp_rank, tp_size, dtype, device)
+        self.model = Gemma3Model(spec, config, placement)
+        self.lm_head = ParallelLMHead(spec.vocab_size, spec.hidden_size, **placement.parallel_args)
         if config.tie_word_embeddings:
             self.lm_head.tie_to(self.model.embed_tokens)
 

@@ -27,8 +27,10 @@ from epdserve.models.spec import SUPPORTED_ARCHITECTURES, ModelLoadError
 
 SUPPORTED_QUANT_TYPES = frozenset(
     {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16}
-    | {GGMLQuantizationType[name] for name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
-                                                "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")}
+    | {
+        GGMLQuantizationType[name]
+        for name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+    }
 )
 
 # Per-layer GGUF tensor name -> HF name under model.layers.N.; "ffn_norm" differs by family.
@@ -68,7 +70,7 @@ def open_gguf(path: Path) -> tuple[GGUFReader, dict[str, Any]]:
         for tensor in reader.tensors:
             if tensor.data_offset + tensor.n_bytes > file_size:
                 raise ValueError("tensor data past end of file")
-    except Exception as exc:  # the reader fails with IndexError, ValueError, struct errors ...
+    except Exception as exc:  # noqa: BLE001 - the reader fails with IndexError, ValueError, ...
         reason = str(exc).splitlines()[0][:120] if str(exc) else type(exc).__name__
         raise ModelLoadError(f"{path} is not a valid GGUF file (truncated or corrupt: {reason})") from None
     return reader, metadata
@@ -152,15 +154,16 @@ def _unpermute_rope_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
 
 def dequantized_tensors(reader: GGUFReader, config: dict[str, Any], arch: str) -> dict[str, torch.Tensor]:
     """All model tensors as float32 with HF names and HF conventions."""
-    tensors: dict[str, torch.Tensor] = {}
-    for tensor in reader.tensors:
+    for tensor in reader.tensors:  # check everything before the slow part
         if tensor.tensor_type not in SUPPORTED_QUANT_TYPES:
             raise ModelLoadError(
                 f"GGUF tensor {tensor.name} has unsupported quantization {tensor.tensor_type.name}"
             )
-        name = hf_tensor_name(tensor.name, arch)
-        if name is None:
+        if hf_tensor_name(tensor.name, arch) is None:
             raise ModelLoadError(f"unexpected GGUF tensor {tensor.name!r} for architecture {arch}")
+    tensors: dict[str, torch.Tensor] = {}
+    for tensor in reader.tensors:
+        name = hf_tensor_name(tensor.name, arch)
         weight = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
         expected_shape = tuple(int(dim) for dim in reversed(tensor.shape))
         if weight.shape != expected_shape:
@@ -171,7 +174,9 @@ def dequantized_tensors(reader: GGUFReader, config: dict[str, Any], arch: str) -
             weight = _unpermute_rope_rows(weight, config["num_key_value_heads"])
         elif arch == "gemma3" and name.endswith("norm.weight"):
             weight = weight - 1.0
-        tensors[name] = torch.from_numpy(np.ascontiguousarray(weight) if weight.flags.writeable else weight.copy())
+        tensors[name] = torch.from_numpy(
+            np.ascontiguousarray(weight) if weight.flags.writeable else weight.copy()
+        )
     return tensors
 
 
@@ -194,7 +199,7 @@ def convert_tokenizer(path: Path, metadata: dict[str, Any], out_dir: Path) -> No
         hf_tokenizer = transformers.PreTrainedTokenizerFast.from_pretrained(
             str(path.parent), gguf_file=path.name
         )
-    except Exception as exc:  # conversion of an unknown tokenizer type fails in many ways
+    except Exception as exc:  # noqa: BLE001 - an unknown tokenizer type fails in many ways
         raise ModelLoadError(f"cannot convert the tokenizer of {path}: {exc}") from None
     hf_tokenizer.backend_tokenizer.save(str(out_dir / "tokenizer.json"))
     tokenizer_config: dict[str, Any] = {

@@ -24,6 +24,7 @@ from epdserve.models.layers.attention import Attention
 from epdserve.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from epdserve.models.layers.linear import (
     MergedColumnParallelLinear,
+    Placement,
     QKVParallelLinear,
     RowParallelLinear,
 )
@@ -84,16 +85,7 @@ class LlamaConfig:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(
-        self,
-        spec: ModelSpec,
-        config: LlamaConfig,
-        layer_idx: int,
-        tp_rank: int,
-        tp_size: int,
-        dtype: torch.dtype | None,
-        device: torch.device | str | None,
-    ) -> None:
+    def __init__(self, spec: ModelSpec, config: LlamaConfig, layer_idx: int, placement: Placement) -> None:
         super().__init__()
         self.head_dim = spec.head_dim
         self.qkv_proj = QKVParallelLinear(
@@ -101,35 +93,23 @@ class LlamaAttention(nn.Module):
             spec.head_dim,
             spec.num_heads,
             spec.num_kv_heads,
-            bias=config.qkv_bias,
-            tp_rank=tp_rank,
-            tp_size=tp_size,
-            dtype=dtype,
-            device=device,
+            config.qkv_bias,
+            **placement.parallel_args,
         )
         self.num_heads = self.qkv_proj.num_heads
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.o_proj = RowParallelLinear(
-            spec.num_heads * spec.head_dim,
-            spec.hidden_size,
-            bias=config.o_proj_bias,
-            tp_rank=tp_rank,
-            tp_size=tp_size,
-            dtype=dtype,
-            device=device,
+            spec.num_heads * spec.head_dim, spec.hidden_size, config.o_proj_bias, **placement.parallel_args
         )
-        self.qk_norm = (
-            QKNorm(
+        self.qk_norm = None
+        if config.qk_norm:
+            self.qk_norm = QKNorm(
                 self.num_heads,
                 self.num_kv_heads,
                 spec.head_dim,
                 config.rms_norm_eps,
-                dtype=dtype,
-                device=device,
+                **placement.tensor_args,
             )
-            if config.qk_norm
-            else None
-        )
         self.attn = Attention(
             self.num_heads,
             self.num_kv_heads,
@@ -166,22 +146,13 @@ class GatedMLP(nn.Module):
     """down(act(gate(x)) * up(x)) with gate and up fused into one column-parallel matmul."""
 
     def __init__(
-        self,
-        hidden_size: int,
-        intermediate_size: int,
-        hidden_act: str,
-        bias: bool,
-        tp_rank: int,
-        tp_size: int,
-        dtype: torch.dtype | None,
-        device: torch.device | str | None,
+        self, hidden_size: int, intermediate_size: int, hidden_act: str, bias: bool, placement: Placement
     ) -> None:
         super().__init__()
-        parallel = dict(tp_rank=tp_rank, tp_size=tp_size, dtype=dtype, device=device)
         self.gate_up_proj = MergedColumnParallelLinear(
-            hidden_size, [intermediate_size, intermediate_size], bias=bias, **parallel
+            hidden_size, [intermediate_size, intermediate_size], bias, **placement.parallel_args
         )
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias, **parallel)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias, **placement.parallel_args)
         self.act_fn = get_gated_activation(hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -189,31 +160,15 @@ class GatedMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(
-        self,
-        spec: ModelSpec,
-        config: LlamaConfig,
-        layer_idx: int,
-        tp_rank: int,
-        tp_size: int,
-        dtype: torch.dtype | None,
-        device: torch.device | str | None,
-    ) -> None:
+    def __init__(self, spec: ModelSpec, config: LlamaConfig, layer_idx: int, placement: Placement) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(spec, config, layer_idx, tp_rank, tp_size, dtype, device)
+        self.self_attn = LlamaAttention(spec, config, layer_idx, placement)
         self.mlp = GatedMLP(
-            spec.hidden_size,
-            config.intermediate_size,
-            config.hidden_act,
-            config.mlp_bias,
-            tp_rank,
-            tp_size,
-            dtype,
-            device,
+            spec.hidden_size, config.intermediate_size, config.hidden_act, config.mlp_bias, placement
         )
-        eps = config.rms_norm_eps
-        self.input_layernorm = RMSNorm(spec.hidden_size, eps, dtype=dtype, device=device)
-        self.post_attention_layernorm = RMSNorm(spec.hidden_size, eps, dtype=dtype, device=device)
+        eps, tensor_args = config.rms_norm_eps, placement.tensor_args
+        self.input_layernorm = RMSNorm(spec.hidden_size, eps, **tensor_args)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, eps, **tensor_args)
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         hidden = self.self_attn(self.input_layernorm(hidden), cos, sin).add_(hidden)
@@ -221,31 +176,17 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(
-        self,
-        spec: ModelSpec,
-        config: LlamaConfig,
-        tp_rank: int,
-        tp_size: int,
-        dtype: torch.dtype | None,
-        device: torch.device | str | None,
-    ) -> None:
+    def __init__(self, spec: ModelSpec, config: LlamaConfig, placement: Placement) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(
-            spec.vocab_size,
-            spec.hidden_size,
-            tp_rank=tp_rank,
-            tp_size=tp_size,
-            dtype=dtype,
-            device=device,
+            spec.vocab_size, spec.hidden_size, **placement.parallel_args
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(spec, config, i, tp_rank, tp_size, dtype, device)
-            for i in range(spec.num_layers)
+            LlamaDecoderLayer(spec, config, i, placement) for i in range(spec.num_layers)
         )
-        self.norm = RMSNorm(spec.hidden_size, config.rms_norm_eps, dtype=dtype, device=device)
+        self.norm = RMSNorm(spec.hidden_size, config.rms_norm_eps, **placement.tensor_args)
         self.rotary_emb = RotaryEmbedding(
-            spec.head_dim, spec.max_position_embeddings, config.rope, dtype=dtype, device=device
+            spec.head_dim, spec.max_position_embeddings, config.rope, **placement.tensor_args
         )
 
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -257,8 +198,6 @@ class LlamaModel(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     """Llama / Qwen2 / Qwen3 causal LM over a flat batch of T tokens."""
-
-    stacked_params: StackedMapping = LLAMA_STACKED_PARAMS
 
     def __init__(
         self,
@@ -273,15 +212,9 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.spec = spec
         self.config = config
-        self.model = LlamaModel(spec, config, tp_rank, tp_size, dtype, device)
-        self.lm_head = ParallelLMHead(
-            spec.vocab_size,
-            spec.hidden_size,
-            tp_rank=tp_rank,
-            tp_size=tp_size,
-            dtype=dtype,
-            device=device,
-        )
+        placement = Placement(tp_rank, tp_size, dtype, device)
+        self.model = LlamaModel(spec, config, placement)
+        self.lm_head = ParallelLMHead(spec.vocab_size, spec.hidden_size, **placement.parallel_args)
         if config.tie_word_embeddings:
             self.lm_head.tie_to(self.model.embed_tokens)
 
@@ -309,7 +242,7 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy full (unsharded) Hugging Face tensors into this rank's parameters."""
         skipped = ("lm_head.",) if self.config.tie_word_embeddings else ()
-        load_stacked_weights(self, weights, self.stacked_params, skipped)
+        load_stacked_weights(self, weights, LLAMA_STACKED_PARAMS, skipped)
 
 
 def load_stacked_weights(

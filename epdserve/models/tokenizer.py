@@ -21,6 +21,7 @@ import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from epdserve.errors import InvalidRequestError
+from epdserve.models.safetensors_loader import read_json
 from epdserve.models.spec import ModelLoadError
 
 _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
@@ -78,8 +79,13 @@ def _raise_template_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
 
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
-            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
     return json.dumps(
         value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
     )
@@ -105,15 +111,6 @@ def _token_content(value: Any) -> str | None:
     if isinstance(value, dict):
         return value.get("content")
     return value if isinstance(value, str) else None
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        return {}
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise ModelLoadError(f"cannot read {path}: {exc}") from None
 
 
 def _select_template(value: Any) -> str | None:
@@ -146,8 +143,10 @@ class Tokenizer:
         self._compiled_template: jinja2.Template | None = None
         probe = backend.encode("a", add_special_tokens=True).ids
         self._backend_adds_bos = self.bos_token_id is not None and probe[:1] == [self.bos_token_id]
-        self.adds_bos = self._backend_adds_bos if add_bos_token is None else (
-            add_bos_token and self.bos_token_id is not None
+        self.adds_bos = (
+            self._backend_adds_bos
+            if add_bos_token is None
+            else (add_bos_token and self.bos_token_id is not None)
         )
 
     @classmethod
@@ -163,9 +162,9 @@ class Tokenizer:
             raise ModelLoadError(f"{path} has no tokenizer.json")
         try:
             backend = tokenizers.Tokenizer.from_file(str(tokenizer_file))
-        except Exception as exc:  # the Rust library raises bare Exceptions
+        except Exception as exc:  # noqa: BLE001 - the Rust library raises plain Exception
             raise ModelLoadError(f"cannot read {tokenizer_file}: {exc}") from None
-        config = _read_json(path / "tokenizer_config.json")
+        config = read_json(path / "tokenizer_config.json")
         special_tokens = {
             key: token for key in _SPECIAL_TOKEN_KEYS if (token := _token_content(config.get(key)))
         }

@@ -9,7 +9,8 @@ the result is kept so that later loads only memory-map a safetensors file::
 
 Invariant: an entry directory exists only when complete. It is written under a temporary
 name in the same parent and renamed into place as the last step, so a crash leaves at most
-a ``.tmp-*`` directory, never a half-written entry.
+a ``.tmp-*`` directory, never a half-written entry. The meta file records every file's size;
+an entry whose files do not match (torn by a power loss) is treated as absent and rewritten.
 """
 
 from __future__ import annotations
@@ -57,7 +58,14 @@ def lookup(source: Path) -> Path | None:
         meta = json.loads(meta_file.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
-    return entry if meta.get("identity") == _source_identity(source) else None
+    if meta.get("identity") != _source_identity(source):
+        return None
+    return entry if _file_sizes(entry) == meta.get("file_sizes") else None
+
+
+def _file_sizes(entry: Path) -> dict[str, int]:
+    """Size in bytes of every file of an entry but the meta file (catches torn writes)."""
+    return {file.name: file.stat().st_size for file in entry.iterdir() if file.name != META_FILE}
 
 
 @contextlib.contextmanager
@@ -73,7 +81,11 @@ def publish(source: Path) -> Iterator[Path]:
     staging.chmod(0o755)  # mkdtemp makes it owner-only; an entry is as readable as its parent
     try:
         yield staging
-        meta = {"identity": _source_identity(source), "created_unix_s": time.time()}
+        meta = {
+            "identity": _source_identity(source),
+            "file_sizes": _file_sizes(staging),
+            "created_unix_s": time.time(),
+        }
         (staging / META_FILE).write_text(json.dumps(meta, indent=2), encoding="utf-8")
         if lookup(source) is None:
             if entry.exists():

@@ -33,6 +33,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--served-model-name", action="append", default=None, help="model names clients may use")
     g.add_argument("--startup-timeout", type=float, default=300.0)
     g.add_argument("--worker-log-dir", default=None, help="write each worker's output to DIR/<id>.log")
+    # Fault injection for tests: prefill workers never finish a KV transfer.
+    g.add_argument("--debug-stall-kv-transfers", action="store_true", help=argparse.SUPPRESS)
 
 
 def worker_engine_args(ns: argparse.Namespace) -> list[str]:
@@ -88,7 +90,9 @@ async def serve(ns: argparse.Namespace) -> int:
     router = Router(config, port=ns.router_port)
     await router.start()
     started = time.monotonic()
-    extra = worker_engine_args(ns) + ["--kv-transport", ns.kv_transport] + (["--no-layerwise"] if ns.no_layerwise else [])
+    extra = worker_engine_args(ns) + ["--kv-transport", ns.kv_transport]
+    extra += ["--no-layerwise"] if ns.no_layerwise else []
+    extra += ["--debug-stall-kv-transfers"] if ns.debug_stall_kv_transfers else []
     workers: list[LocalWorker] = []
     counters: dict[str, int] = {}
     for role, cores in zip(roles, assign_cores(len(roles), ns.cores_per_worker)):

@@ -109,6 +109,8 @@ class KVPusher:
         self.layer_to_group = layer_to_group
         self.block_size = block_size
         self.layerwise = layerwise
+        # Fault injection for tests of the router's transfer timeout: transfers never end.
+        self.stall = False
         self.links: dict[str, PeerLink] = {}
         self._items: list[PushItem] = []
         self._targets: dict[str, str] = {}  # request id -> decode worker id, while in flight
@@ -191,7 +193,7 @@ class KVPusher:
                 self._push_layer(layer)
         now = time.time()
         for item in self._items:
-            if item.is_last and item.request_id in self._targets:
+            if item.is_last and item.request_id in self._targets and not self.stall:
                 self._compute_end[item.request_id] = now
                 self.links[item.target].finish(item.request_id)
         self._items = []

@@ -130,8 +130,8 @@ class Attention(nn.Module):
         self, cache: torch.Tensor, block_table: torch.Tensor, context_len: int, block_size: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
         num_blocks = -(-context_len // block_size)
-        blocks = cache[:, block_table[:num_blocks]]  # [2, nb, bs, kvh, hd]
-        blocks = blocks.reshape(2, num_blocks * block_size, self.num_kv_heads, self.head_dim)
+        blocks = _gather_blocks(cache, block_table[:num_blocks])
+        blocks = blocks.view(2, num_blocks * block_size, self.num_kv_heads, self.head_dim)
         return blocks[0, :context_len], blocks[1, :context_len]
 
     def _attend(
@@ -139,22 +139,20 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """One sequence: q [n, H, D] at positions start_pos.., k/v [start_pos+n, KVH, D]."""
         num_queries, num_keys = q.shape[0], k.shape[0]
-        group_size = self.num_heads // self.num_kv_heads
-        q_pos = torch.arange(start_pos, start_pos + num_queries, device=q.device)
-        k_pos = torch.arange(num_keys, device=q.device)
-        mask = k_pos[None, :] <= q_pos[:, None]
-        if self.sliding_window is not None:
-            mask &= k_pos[None, :] > q_pos[:, None] - self.sliding_window
-        # Fold the query heads that share a KV head into the query axis: no KV expansion.
-        qf = q.view(num_queries, self.num_kv_heads, group_size, self.head_dim)
-        qf = qf.permute(1, 2, 0, 3).reshape(self.num_kv_heads, group_size * num_queries, -1)
-        kf = k.transpose(0, 1).to(q.dtype)
-        vf = v.transpose(0, 1).to(q.dtype)
-        out = F.scaled_dot_product_attention(
-            qf, kf, vf, attn_mask=mask.repeat(group_size, 1), scale=self.scale
-        )
-        out = out.view(self.num_kv_heads, group_size, num_queries, self.head_dim)
-        return out.permute(2, 0, 1, 3).reshape(num_queries, self.num_heads, self.head_dim)
+        qb = q.transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+        kb = k.transpose(0, 1).unsqueeze(0).to(q.dtype)  # [1, KVH, S, D]
+        vb = v.transpose(0, 1).unsqueeze(0).to(q.dtype)
+        gqa = self.num_heads != self.num_kv_heads
+        if start_pos == 0 and (self.sliding_window is None or num_keys <= self.sliding_window):
+            out = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=self.scale, enable_gqa=gqa)
+        else:
+            q_pos = torch.arange(start_pos, start_pos + num_queries, device=q.device)
+            k_pos = torch.arange(num_keys, device=q.device)
+            mask = k_pos[None, :] <= q_pos[:, None]
+            if self.sliding_window is not None:
+                mask &= k_pos[None, :] > q_pos[:, None] - self.sliding_window
+            out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=self.scale, enable_gqa=gqa)
+        return out[0].transpose(0, 1)
 
     def _decode(
         self,
@@ -169,7 +167,7 @@ class Attention(nn.Module):
         max_len = max(meta.context_lens[:batch])
         num_blocks = -(-max_len // block_size)
         table = group.block_tables[:batch, :num_blocks]
-        kv = cache[:, table]  # [2, B, nb, bs, kvh, hd]
+        kv = _gather_blocks(cache, table.reshape(-1))
         kv = kv.view(2, batch, num_blocks * block_size, self.num_kv_heads, self.head_dim)
         k = kv[0].transpose(1, 2).to(q.dtype)  # [B, kvh, L, hd]
         v = kv[1].transpose(1, 2).to(q.dtype)
@@ -184,3 +182,12 @@ class Attention(nn.Module):
             qf, k, v, attn_mask=mask[:, None, None, :], scale=self.scale
         )
         return out.reshape(batch, self.num_heads, self.head_dim)
+
+
+def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """[2, num_blocks, bs, kvh, hd] pages -> [2, len(block_ids), bs * kvh * hd], K and V.
+
+    index_select over whole blocks (rows of bs * kvh * hd elements) runs near memcpy speed,
+    several times faster than advanced indexing of the 5-d tensor.
+    """
+    return cache.view(2, cache.shape[1], -1).index_select(1, block_ids)

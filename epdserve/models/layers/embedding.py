@@ -42,9 +42,7 @@ class VocabParallelEmbedding(nn.Module):
         self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: int | str | None = None
     ) -> None:
         if loaded_weight.shape[0] != self.num_embeddings:
-            raise ValueError(
-                f"embedding has {loaded_weight.shape[0]} rows, expected {self.num_embeddings}"
-            )
+            raise ValueError(f"embedding has {loaded_weight.shape[0]} rows, expected {self.num_embeddings}")
         num_rows = self.vocab_end - self.vocab_start
         param.data[:num_rows].copy_(loaded_weight.narrow(0, self.vocab_start, num_rows))
         param.data[num_rows:].zero_()

@@ -14,6 +14,9 @@ all-reduce per pair is the only communication. With ``tp_size == 1`` every layer
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -26,7 +29,9 @@ def divide(numerator: int, denominator: int) -> int:
     return numerator // denominator
 
 
-def _new_param(shape: tuple[int, ...], dtype: torch.dtype | None, device: torch.device | str | None) -> nn.Parameter:
+def _new_param(
+    shape: tuple[int, ...], dtype: torch.dtype | None, device: torch.device | str | None
+) -> nn.Parameter:
     return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
 
 
@@ -81,9 +86,7 @@ class ColumnParallelLinear(_LinearBase):
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ) -> None:
-        super().__init__(
-            input_size, divide(output_size, tp_size), bias, tp_rank, tp_size, dtype, device
-        )
+        super().__init__(input_size, divide(output_size, tp_size), bias, tp_rank, tp_size, dtype, device)
 
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: int | str | None = None
@@ -162,9 +165,7 @@ class QKVParallelLinear(ColumnParallelLinear):
             self.num_kv_heads = divide(total_num_kv_heads, tp_size)
             self.kv_head_start = tp_rank * self.num_kv_heads
         output_size_per_rank = (self.num_heads + 2 * self.num_kv_heads) * head_dim
-        _LinearBase.__init__(
-            self, hidden_size, output_size_per_rank, bias, tp_rank, tp_size, dtype, device
-        )
+        _LinearBase.__init__(self, hidden_size, output_size_per_rank, bias, tp_rank, tp_size, dtype, device)
 
     @property
     def q_size(self) -> int:
@@ -207,9 +208,7 @@ class RowParallelLinear(_LinearBase):
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ) -> None:
-        super().__init__(
-            divide(input_size, tp_size), output_size, bias, tp_rank, tp_size, dtype, device
-        )
+        super().__init__(divide(input_size, tp_size), output_size, bias, tp_rank, tp_size, dtype, device)
 
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: int | str | None = None
@@ -228,3 +227,27 @@ class RowParallelLinear(_LinearBase):
         if self.bias is not None:
             y = y + self.bias
         return y
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a model's layers live: tensor-parallel rank among ``tp_size``, dtype, device."""
+
+    tp_rank: int = 0
+    tp_size: int = 1
+    dtype: torch.dtype | None = None
+    device: torch.device | str | None = None
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.tp_rank < self.tp_size:
+            raise ValueError(f"tp_rank={self.tp_rank} outside [0, {self.tp_size})")
+
+    @property
+    def parallel_args(self) -> dict[str, Any]:
+        """Keyword arguments of the tensor-parallel layers."""
+        return {"tp_rank": self.tp_rank, "tp_size": self.tp_size, "dtype": self.dtype, "device": self.device}
+
+    @property
+    def tensor_args(self) -> dict[str, Any]:
+        """Keyword arguments of the replicated layers (norms, rotary embedding)."""
+        return {"dtype": self.dtype, "device": self.device}

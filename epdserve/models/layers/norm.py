@@ -21,9 +21,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.normalized_shape = (hidden_size,)
         self.eps = eps
-        self.weight = nn.Parameter(
-            torch.empty(hidden_size, dtype=dtype, device=device), requires_grad=False
-        )
+        self.weight = nn.Parameter(torch.empty(hidden_size, dtype=dtype, device=device), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
 
     def weight_loader(
