@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from epdserve.models import weight_cache
+from epdserve.models.layers.packed_linear import prepack_model
 from epdserve.models.registry import ModelBlueprint, architecture_of, build_blueprint, text_config
 from epdserve.models.safetensors_loader import (
     configured_eos_token_ids,
@@ -173,4 +174,5 @@ def load_hf_dir(model_dir: Path, name: str, dtype: torch.dtype, device: torch.de
         reason = str(exc).splitlines()[0]
         raise ModelLoadError(f"cannot load weights from {model_dir}: {reason}") from None
     model.eval()
+    prepack_model(model)
     return LoadedModel(model=model, spec=blueprint.spec, tokenizer=tokenizer)

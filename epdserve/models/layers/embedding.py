@@ -11,6 +11,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from epdserve.models.layers.packed_linear import linear
+
 
 class VocabParallelEmbedding(nn.Module):
     """[T] int64 token ids -> [T, embedding_dim] embeddings."""
@@ -60,6 +62,8 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """[N, hidden] -> [N, vocab_size] logits; may share its weight with the embedding."""
 
+    packed_weight: torch.Tensor | None = None  # set by packed_linear.prepack_model
+
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
         """Use ``embedding``'s weight (same parameter object) as the output projection."""
         if embedding.weight.shape != self.weight.shape:
@@ -67,7 +71,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.weight = embedding.weight
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)
+        logits = linear(hidden, self.weight, None, self.packed_weight)
         if self.tp_size == 1:
             return logits
         shards = [torch.empty_like(logits) for _ in range(self.tp_size)]

@@ -19,8 +19,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
+
+from epdserve.models.layers.packed_linear import linear
 
 
 def divide(numerator: int, denominator: int) -> int:
@@ -57,6 +58,7 @@ class _LinearBase(nn.Module):
         self.output_size_per_rank = output_size_per_rank
         self.weight = _new_param((output_size_per_rank, input_size_per_rank), dtype, device)
         self.weight.weight_loader = self.weight_loader
+        self.packed_weight: torch.Tensor | None = None  # set by packed_linear.prepack_model
         if bias:
             self.bias = _new_param((output_size_per_rank,), dtype, device)
             self.bias.weight_loader = self.weight_loader
@@ -69,7 +71,7 @@ class _LinearBase(nn.Module):
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.packed_weight)
 
 
 class ColumnParallelLinear(_LinearBase):
@@ -221,8 +223,8 @@ class RowParallelLinear(_LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.linear(x, self.weight, self.bias)
-        y = F.linear(x, self.weight)
+            return linear(x, self.weight, self.bias, self.packed_weight)
+        y = linear(x, self.weight, None, self.packed_weight)
         dist.all_reduce(y)
         if self.bias is not None:
             y = y + self.bias
