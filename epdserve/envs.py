@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 
 EPDSERVE_CACHE_DIR = "EPDSERVE_CACHE_DIR"
+EPDSERVE_DISABLE_CPU_KERNELS = "EPDSERVE_DISABLE_CPU_KERNELS"
 
 
 def get_cache_dir() -> Path:
@@ -24,3 +25,10 @@ def get_cache_dir() -> Path:
     xdg_cache = os.environ.get("XDG_CACHE_HOME", "").strip()
     base = Path(xdg_cache).expanduser() if xdg_cache else Path.home() / ".cache"
     return base / "epdserve"
+
+
+def is_cpu_kernels_disabled() -> bool:
+    """``$EPDSERVE_DISABLE_CPU_KERNELS`` set to 1/true/yes/on: use the torch path, not the
+    compiled CPU kernels (e.g. paged decode attention)."""
+    value = os.environ.get(EPDSERVE_DISABLE_CPU_KERNELS, "").strip().lower()
+    return value in ("1", "true", "yes", "on")

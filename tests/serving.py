@@ -24,13 +24,15 @@ class Server:
     url: str
     router: str
     log_dir: str
+    api_key: str | None = None
 
     @property
     def client(self) -> httpx.Client:
         return httpx.Client(base_url=self.url, timeout=60)
 
     def workers(self) -> list[dict]:
-        return httpx.get(f"{self.url}/v1/workers", timeout=10).json()["data"]
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else None
+        return httpx.get(f"{self.url}/v1/workers", headers=headers, timeout=10).json()["data"]
 
     def worker(self, worker_id: str) -> dict:
         return next(w for w in self.workers() if w["id"] == worker_id)
@@ -72,7 +74,8 @@ def start_server(args: list[str], log_dir: str, timeout_s: float = 180.0) -> Ser
         lines.append(line)
         match = READY.search(line)
         if match:
-            return Server(process, match.group(1), match.group(2), log_dir)
+            api_key = args[args.index("--api-key") + 1] if "--api-key" in args else None
+            return Server(process, match.group(1), match.group(2), log_dir, api_key)
     stop_server_process(process)
     raise AssertionError("server did not become ready:\n" + "".join(lines[-20:]))
 

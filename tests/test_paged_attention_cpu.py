@@ -1,0 +1,149 @@
+"""The fused CPU paged decode-attention kernel against a float64 gather + softmax reference,
+and the engine's greedy outputs with the kernel on and off."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from epdserve import envs
+from epdserve.models.layers import paged_attention_cpu
+
+pytestmark = pytest.mark.skipif(
+    not paged_attention_cpu.is_available(), reason="CPU paged attention kernel could not be built here"
+)
+
+
+def reference(
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int,
+) -> torch.Tensor:
+    """Gathers each sequence's keys/values and attends in float64: [B, H, D]."""
+    _, _, block_size, num_kv_heads, _ = cache.shape
+    group = q.shape[1] // num_kv_heads
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for b, context_len in enumerate(context_lens.tolist()):
+        num_blocks = -(-context_len // block_size)
+        pages = cache[:, block_tables[b, :num_blocks]].double()  # [2, n, bs, KVH, D]
+        keys = pages[0].flatten(0, 1)[:context_len].repeat_interleave(group, dim=1)  # [L, H, D]
+        values = pages[1].flatten(0, 1)[:context_len].repeat_interleave(group, dim=1)
+        scores = torch.einsum("hd,lhd->hl", q[b].double(), keys) * scale
+        if sliding_window:
+            scores[:, : max(0, context_len - sliding_window)] = float("-inf")
+        out[b] = torch.einsum("hl,lhd->hd", scores.softmax(dim=-1), values)
+    return out
+
+
+def random_case(
+    batch: int, num_heads: int, num_kv_heads: int, head_dim: int, max_len: int, dtype: torch.dtype, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random q and pages; each sequence gets distinct shuffled blocks, its table padded with
+    block 0 (a zero-filled null block, as the engine's tables are)."""
+    gen = torch.Generator().manual_seed(seed)
+    block_size = 16
+    max_blocks = -(-max_len // block_size) + 2  # trailing padding in every row
+    num_blocks = 1 + batch * max_blocks
+    cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
+    cache[:, 0] = 0
+    q = torch.randn(batch, num_heads, head_dim, generator=gen).to(dtype)
+    context_lens = torch.randint(1, max_len + 1, (batch,), generator=gen)
+    context_lens[0] = max_len
+    block_tables = torch.zeros(batch, max_blocks, dtype=torch.int64)
+    free = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
+    for b, context_len in enumerate(context_lens.tolist()):
+        used = -(-context_len // block_size)
+        block_tables[b, :used] = torch.tensor([free.pop() for _ in range(used)])
+    return q, cache, block_tables, context_lens
+
+
+CASES = [
+    # batch, heads, kv heads, head_dim, max context
+    (1, 4, 4, 64, 1),
+    (3, 9, 3, 64, 37),
+    (8, 8, 2, 64, 130),
+    (5, 4, 1, 256, 77),
+    (16, 9, 3, 64, 301),
+    (2, 6, 2, 80, 50),
+]
+
+
+@pytest.mark.parametrize("dtype,rtol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("sliding_window", [0, 24])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "b{}-h{}-kv{}-d{}-L{}".format(*c))
+def test_kernel_matches_reference(case, sliding_window: int, dtype: torch.dtype, rtol: float) -> None:
+    batch, num_heads, num_kv_heads, head_dim, max_len = case
+    q, cache, tables, lens = random_case(batch, num_heads, num_kv_heads, head_dim, max_len, dtype, seed=sum(case))
+    scale = head_dim**-0.5
+    out = paged_attention_cpu.paged_decode_attention(q, cache, tables, lens, scale, sliding_window)
+    assert out.dtype == dtype and out.shape == q.shape
+    expected = reference(q, cache, tables, lens, scale, sliding_window)
+    # Relative to the output's magnitude: bf16 output rounding alone is ~4e-3 of it.
+    tolerance = rtol * expected.abs().max().item()
+    torch.testing.assert_close(out.double(), expected, rtol=rtol, atol=tolerance)
+
+
+def test_kernel_accepts_strided_inputs() -> None:
+    """q as a view of a wider activation, block tables as rows of a larger table (as in the engine)."""
+    q, cache, tables, lens = random_case(4, 9, 3, 64, 40, torch.float32, seed=7)
+    wide_q = torch.randn(6, 9, 64 * 2)[:4, :, :64]
+    wide_q.copy_(q)
+    wide_tables = torch.cat([tables, torch.zeros(4, 5, dtype=torch.int64)], dim=1)
+    wide_tables = torch.cat([wide_tables, wide_tables])[:4]
+    out = paged_attention_cpu.paged_decode_attention(wide_q, cache, wide_tables, lens, 0.125, 0)
+    torch.testing.assert_close(out.double(), reference(q, cache, tables, lens, 0.125, 0), rtol=1e-5, atol=1e-5)
+
+
+def test_concurrent_first_build(tmp_path) -> None:
+    """Two processes building into an empty extensions directory at once both get the kernel."""
+    script = textwrap.dedent(
+        """
+        import torch
+        from epdserve.models.layers import paged_attention_cpu as p
+        assert p.is_available()
+        q = torch.ones(1, 1, 64)
+        cache = torch.ones(2, 1, 16, 1, 64)
+        out = p.paged_decode_attention(q, cache, torch.zeros(1, 1, dtype=torch.int64),
+                                       torch.tensor([3]), 0.125, 0)
+        assert torch.equal(out, q)
+        """
+    )
+    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path))
+    procs = [subprocess.Popen([sys.executable, "-c", script], env=env, stderr=subprocess.PIPE) for _ in range(2)]
+    for proc in procs:
+        _, stderr = proc.communicate(timeout=300)
+        assert proc.returncode == 0, stderr.decode()
+
+
+@pytest.mark.slow
+def test_engine_greedy_same_with_and_without_kernel(monkeypatch) -> None:
+    from epdserve.config import EngineArgs
+    from epdserve.engine.engine import LLMEngine
+    from epdserve.sampling import SamplingParams
+
+    engine = LLMEngine(EngineArgs(dtype="float32", kv_cache_memory_gib=0.1))
+    texts = [
+        "The capital of France is",
+        "def fibonacci(n):",
+        "Once upon a time, in a small village,",
+        "Water boils at a temperature of",
+        "List three primary colors:",
+        "The quick brown fox",
+        "In 1969, astronauts",
+        "import numpy as np\n",
+    ]
+    prompts = [engine.encode_prompt(t) for t in texts]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    with_kernel = [c.token_ids for (c,) in engine.generate(prompts, params)]
+    monkeypatch.setenv(envs.EPDSERVE_DISABLE_CPU_KERNELS, "1")
+    assert not paged_attention_cpu.is_available()
+    without_kernel = [c.token_ids for (c,) in engine.generate(prompts, params)]
+    assert with_kernel == without_kernel
