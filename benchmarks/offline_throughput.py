@@ -123,11 +123,13 @@ def roofline(engine: LLMEngine) -> dict:
     bandwidth = copy_bandwidth_gbps()
     bound_ms = weight_bytes / (bandwidth / 2 * 1e9) * 1e3  # weights are read once per step
 
-    long_prompt = random_prompts(vocab, 1, 2047, 3)[0]
-    engine.add_request(long_prompt, SamplingParams(max_tokens=1))
+    # One step of 8 prompts x 256 tokens (the benchmark's prompt shape, a full token budget).
+    prompts = random_prompts(vocab, 8, 256, 3)
+    for p in prompts:
+        engine.add_request(p, SamplingParams(max_tokens=1))
     t = time.perf_counter()
     engine.step()
-    prefill_tps = len(long_prompt) / (time.perf_counter() - t)
+    prefill_tps = 8 * 256 / (time.perf_counter() - t)
     tflops = bf16_gemm_tflops()
     # Non-embedding parameters do the matmuls of a prompt token; the LM head runs once.
     flops_per_token = 2 * (num_params - vocab * engine.loaded.spec.hidden_size)

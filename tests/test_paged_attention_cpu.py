@@ -81,7 +81,9 @@ CASES = [
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "b{}-h{}-kv{}-d{}-L{}".format(*c))
 def test_kernel_matches_reference(case, sliding_window: int, dtype: torch.dtype, rtol: float) -> None:
     batch, num_heads, num_kv_heads, head_dim, max_len = case
-    q, cache, tables, lens = random_case(batch, num_heads, num_kv_heads, head_dim, max_len, dtype, seed=sum(case))
+    q, cache, tables, lens = random_case(
+        batch, num_heads, num_kv_heads, head_dim, max_len, dtype, seed=sum(case)
+    )
     scale = head_dim**-0.5
     out = paged_attention_cpu.paged_decode_attention(q, cache, tables, lens, scale, sliding_window)
     assert out.dtype == dtype and out.shape == q.shape
@@ -99,9 +101,12 @@ def test_kernel_accepts_strided_inputs() -> None:
     wide_tables = torch.cat([tables, torch.zeros(4, 5, dtype=torch.int64)], dim=1)
     wide_tables = torch.cat([wide_tables, wide_tables])[:4]
     out = paged_attention_cpu.paged_decode_attention(wide_q, cache, wide_tables, lens, 0.125, 0)
-    torch.testing.assert_close(out.double(), reference(q, cache, tables, lens, 0.125, 0), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        out.double(), reference(q, cache, tables, lens, 0.125, 0), rtol=1e-5, atol=1e-5
+    )
 
 
+@pytest.mark.slow  # compiles the extension from scratch (~20 s)
 def test_concurrent_first_build(tmp_path) -> None:
     """Two processes building into an empty extensions directory at once both get the kernel."""
     script = textwrap.dedent(
@@ -117,7 +122,9 @@ def test_concurrent_first_build(tmp_path) -> None:
         """
     )
     env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path))
-    procs = [subprocess.Popen([sys.executable, "-c", script], env=env, stderr=subprocess.PIPE) for _ in range(2)]
+    procs = [
+        subprocess.Popen([sys.executable, "-c", script], env=env, stderr=subprocess.PIPE) for _ in range(2)
+    ]
     for proc in procs:
         _, stderr = proc.communicate(timeout=300)
         assert proc.returncode == 0, stderr.decode()
@@ -142,7 +149,13 @@ def test_engine_greedy_same_with_and_without_kernel(monkeypatch) -> None:
     ]
     prompts = [engine.encode_prompt(t) for t in texts]
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    kernel = paged_attention_cpu.paged_decode_attention
+    calls = []
+    monkeypatch.setattr(
+        paged_attention_cpu, "paged_decode_attention", lambda *a: calls.append(1) or kernel(*a)
+    )
     with_kernel = [c.token_ids for (c,) in engine.generate(prompts, params)]
+    assert calls, "the decode steps did not use the kernel"
     monkeypatch.setenv(envs.EPDSERVE_DISABLE_CPU_KERNELS, "1")
     assert not paged_attention_cpu.is_available()
     without_kernel = [c.token_ids for (c,) in engine.generate(prompts, params)]

@@ -15,6 +15,7 @@ import torch
 from epdserve.engine.kv_cache import KVCacheGroupSpec
 from epdserve.engine.sampler import Sampler, SampleResult, TokenLogprobs
 from epdserve.engine.scheduler import ScheduledRequest, SchedulerOutput
+from epdserve.models.layers import paged_attention_cpu
 from epdserve.models.layers.attention import AttentionMetadata, GroupAttentionMetadata, forward_context
 from epdserve.transfer.connector import KVPusher, PushItem
 
@@ -57,6 +58,8 @@ class ModelRunner:
         self.kv_caches = kv_caches
         self.sampler = Sampler(seed, device)
         self.pusher: KVPusher | None = None  # set on a prefill worker of a P/D pair
+        if device.type == "cpu":
+            paged_attention_cpu.is_available()  # build or load the kernel now, not in the first step
 
     @property
     def kv_cache_bytes(self) -> int:

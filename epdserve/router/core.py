@@ -138,7 +138,7 @@ class Router:
     async def close(self) -> None:
         for worker in self.registry.workers.values():
             if worker.is_ready:
-                await self._send(worker.worker_id, m.Shutdown())
+                self._post(worker.worker_id, m.Shutdown())
         for task in self._tasks:
             task.cancel()
         for fd in self._pidfds.values():
@@ -360,9 +360,6 @@ class Router:
             self.sock.send_multipart([worker_id.encode(), m.encode(msg)], zmq.NOBLOCK)
         except zmq.ZMQError as e:
             log.warning("cannot send to %s: %s", worker_id, e)
-
-    async def _send(self, worker_id: str, msg: m.Msg) -> None:
-        self._post(worker_id, msg)
 
     def _is_ready(self, worker_id: str) -> bool:
         worker = self.registry.get(worker_id)

@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from epdserve.models.layers import paged_attention_cpu
+
 
 @dataclass
 class GroupAttentionMetadata:
@@ -163,6 +165,11 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """All single-token sequences at once: q [B, H, D] -> [B, H, D]."""
         batch = q.shape[0]
+        if paged_attention_cpu.can_decode(q, cache):
+            window = self.sliding_window or 0
+            return paged_attention_cpu.paged_decode_attention(
+                q, cache, group.block_tables[:batch], meta.decode_context_lens, self.scale, window
+            )
         block_size = meta.block_size
         max_len = max(meta.context_lens[:batch])
         num_blocks = -(-max_len // block_size)

@@ -1,9 +1,14 @@
 """Fused paged decode attention for the CPU: one query token per sequence, K/V read in place.
 
 The kernel walks each sequence's block table and reads key and value rows straight out of
-the pages (no gather into a contiguous buffer), with an online softmax per query head, so
-every K and V row of the context is read once. Work is split over (sequence, KV head) pairs
-with ``at::parallel_for``; the query heads of a GQA group share each K/V row.
+the pages (no gather into a contiguous buffer) in tiles of 16 keys, with an online softmax
+(running max and sum) per query head, so every K and V row of the context is read once from
+memory; the next tile is prefetched. ``at::parallel_for`` splits the work over (sequence, KV
+heads) tasks: all of a sequence's KV heads per task when the batch alone gives every thread
+several tasks (each token row is then one contiguous read), single KV heads otherwise. The
+query heads of a GQA group share each K/V row. With AVX-512 and head_dim 64/128/256 a head's
+query and accumulator live in registers (bf16 scores via vdpbf16ps where the CPU has it);
+other head sizes and CPUs use plain float32 loops. Accumulation is float32 throughout.
 
 The C++ source is compiled at first use with ``torch.utils.cpp_extension.load_inline`` for
 the host CPU (``-march=native``) and cached by torch under its extensions directory; torch
@@ -14,7 +19,10 @@ when it did not.
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import time
+from pathlib import Path
 from types import ModuleType
 
 import torch
@@ -24,6 +32,30 @@ from epdserve import envs
 log = logging.getLogger("epdserve.kernels")
 
 _EXTENSION_NAME = "epdserve_paged_attention_cpu"
+# A build lock older than this was left by a process killed mid-build (a build takes seconds).
+_STALE_LOCK_S = 600.0
+
+
+def _cpu_tag() -> str:
+    """Short hash of the CPU's feature flags: -march=native builds are not shared across CPUs."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            flags = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        flags = ""
+    return hashlib.blake2b(flags.encode(), digest_size=4).hexdigest()
+
+
+def _remove_stale_lock(name: str) -> None:
+    from torch.utils.cpp_extension import _get_build_directory
+
+    lock = Path(_get_build_directory(name, verbose=False)) / "lock"
+    try:
+        if time.time() - lock.stat().st_mtime > _STALE_LOCK_S:
+            lock.unlink()
+            log.warning("removed a stale build lock %s", lock)
+    except FileNotFoundError:
+        pass
 
 _CPP_SOURCE = r"""
 #include <ATen/Parallel.h>
@@ -33,6 +65,7 @@ _CPP_SOURCE = r"""
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 #ifdef __AVX512F__
 #include <immintrin.h>
@@ -40,94 +73,183 @@ _CPP_SOURCE = r"""
 
 namespace {
 
-// Keys scored per pass; the [group, kTile] score tile stays in L1.
-constexpr int64_t kTile = 32;
+// Keys per tile (a multiple of 16; 16 measured fastest): scores [heads, kTile] stay in L1.
+constexpr int64_t kTile = 16;
 
-// A row of n elements as float32: fp32 rows are used in place, bf16 rows are widened into buf.
+// --- Any head_dim, any ISA: rows widened to float32, plain loops. ----------------------------
+
 inline const float* float_row(const float* src, float*, int64_t) { return src; }
 
 inline const float* float_row(const c10::BFloat16* src, float* buf, int64_t n) {
-  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
-  int64_t i = 0;
-#ifdef __AVX512F__
-  for (; i + 16 <= n; i += 16) {
-    __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bits + i));
-    _mm512_storeu_ps(buf + i, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16)));
-  }
-#endif
-  for (; i < n; ++i) {
-    uint32_t word = uint32_t(bits[i]) << 16;
-    std::memcpy(buf + i, &word, sizeof(float));
-  }
+  for (int64_t i = 0; i < n; ++i) buf[i] = float(src[i]);
   return buf;
 }
 
-inline float dot(const float* a, const float* b, int64_t n) {
-  int64_t i = 0;
-  float sum = 0.f;
-#ifdef __AVX512F__
-  __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
-  for (; i + 32 <= n; i += 32) {
-    acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc0);
-    acc1 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i + 16), _mm512_loadu_ps(b + i + 16), acc1);
+// scores[j] = q . k_j for the tile's keys, k_j at keys + offsets[j]; scratch holds 2 * dim floats.
+template <typename T>
+void score_keys_any(const T* q, const T* keys, const int64_t* offsets, int64_t n, int64_t dim,
+                    float* scores, float* scratch) {
+  const float* qf = float_row(q, scratch, dim);
+  for (int64_t j = 0; j < n; ++j) {
+    const float* k = float_row(keys + offsets[j], scratch + dim, dim);
+    float sum = 0.f;
+    for (int64_t i = 0; i < dim; ++i) sum += qf[i] * k[i];
+    scores[j] = sum;
   }
-  for (; i < n; i += 16) {
-    __mmask16 m = n - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - i)) - 1);
-    acc0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, a + i), _mm512_maskz_loadu_ps(m, b + i), acc0);
-  }
-  sum = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
-#endif
-  for (; i < n; ++i) sum += a[i] * b[i];
-  return sum;
 }
 
-// y += p * x (a plain loop the compiler vectorises).
-inline void add_scaled(float* y, const float* x, float p, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) y[i] += x[i] * p;
+// acc += sum_j probs[j] * v_j, v_j at values + offsets[j].
+template <typename T>
+void accumulate_values_any(float* acc, const T* values, const int64_t* offsets, int64_t n, int64_t dim,
+                           const float* probs, float* scratch) {
+  for (int64_t j = 0; j < n; ++j) {
+    const float* v = float_row(values + offsets[j], scratch, dim);
+    for (int64_t i = 0; i < dim; ++i) acc[i] += probs[j] * v[i];
+  }
 }
+
+#ifdef __AVX512F__
+// --- AVX-512, head_dim = 16 * C: a head's query or accumulator lives in C registers. ---------
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+
+inline __m512 load16(const c10::BFloat16* p) {
+  __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+// Lane sums of 16 vectors (partial + 16 * j, j < 16): out[j] = sum of vector j. Halves are
+// added pairwise (256-bit, 128-bit, then element pairs); the last step leaves vector j's sum in
+// lane 4 * (j % 4) + j / 4, undone by one permute.
+inline void sum_lanes16(const float* partial, float* out) {
+  __m512 v[16];
+  for (int j = 0; j < 16; ++j) v[j] = _mm512_loadu_ps(partial + 16 * j);
+  for (int j = 0; j < 8; ++j) {
+    v[j] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * j], v[2 * j + 1], 0x44),
+                         _mm512_shuffle_f32x4(v[2 * j], v[2 * j + 1], 0xEE));
+  }
+  for (int j = 0; j < 4; ++j) {
+    v[j] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * j], v[2 * j + 1], 0x88),
+                         _mm512_shuffle_f32x4(v[2 * j], v[2 * j + 1], 0xDD));
+  }
+  for (int j = 0; j < 2; ++j) {
+    v[j] = _mm512_add_ps(_mm512_shuffle_ps(v[2 * j], v[2 * j + 1], 0x44),
+                         _mm512_shuffle_ps(v[2 * j], v[2 * j + 1], 0xEE));
+  }
+  __m512 sums = _mm512_add_ps(_mm512_shuffle_ps(v[0], v[1], 0x88), _mm512_shuffle_ps(v[0], v[1], 0xDD));
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  _mm512_storeu_ps(out, _mm512_permutexvar_ps(order, sums));
+}
+
+// As score_keys_any; partial holds kTile * 16 floats (per-key lane partial sums).
+template <typename T, int C>
+void score_keys(const T* q, const T* keys, const int64_t* offsets, int64_t n, float* scores, float* partial) {
+#ifdef __AVX512BF16__
+  if constexpr (std::is_same_v<T, c10::BFloat16> && C % 2 == 0) {
+    // bf16 products are exact in float32; vdpbf16ps sums pairs of them into float32 lanes.
+    __m512bh qv[C / 2];
+    for (int c = 0; c < C / 2; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(q + 32 * c);
+    for (int64_t j = 0; j < n; ++j) {
+      const T* k = keys + offsets[j];
+      __m512 sum = _mm512_setzero_ps();
+      for (int c = 0; c < C / 2; ++c) sum = _mm512_dpbf16_ps(sum, qv[c], (__m512bh)_mm512_loadu_si512(k + 32 * c));
+      _mm512_storeu_ps(partial + 16 * j, sum);
+    }
+  } else
+#endif
+  {
+    __m512 qv[C];
+    for (int c = 0; c < C; ++c) qv[c] = load16(q + 16 * c);
+    for (int64_t j = 0; j < n; ++j) {
+      const T* k = keys + offsets[j];
+      __m512 sum = _mm512_mul_ps(qv[0], load16(k));
+      for (int c = 1; c < C; ++c) sum = _mm512_fmadd_ps(qv[c], load16(k + 16 * c), sum);
+      _mm512_storeu_ps(partial + 16 * j, sum);
+    }
+  }
+  for (int64_t j = 0; j < n; j += 16) sum_lanes16(partial + 16 * j, scores + j);
+}
+
+template <typename T, int C>
+void accumulate_values(float* acc, const T* values, const int64_t* offsets, int64_t n, const float* probs) {
+  __m512 a[C];
+  for (int c = 0; c < C; ++c) a[c] = _mm512_loadu_ps(acc + 16 * c);
+  for (int64_t j = 0; j < n; ++j) {
+    const T* v = values + offsets[j];
+    const __m512 p = _mm512_set1_ps(probs[j]);
+    for (int c = 0; c < C; ++c) a[c] = _mm512_fmadd_ps(p, load16(v + 16 * c), a[c]);
+  }
+  for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + 16 * c, a[c]);
+}
+#endif
+
+// --- Softmax over tiles, tasks, dispatch. ---------------------------------------------------
 
 #ifdef __AVX512F__
 // exp(x) for x <= 0: 2^k * exp(r), k = round(x / ln2), |r| <= ln2 / 2, degree-7 Taylor (~1 ulp).
 inline __m512 exp_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-104.f));  // exp(-104) is 0 in float32
-  __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693145752f), x);
+  x = _mm512_max_ps(x, _mm512_set1_ps(-104.f));  // exp(-104) rounds to 0 in float32
+  const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693145752f), x);  // ln2 split in two parts
   r = _mm512_fnmadd_ps(k, _mm512_set1_ps(1.42860677e-6f), r);
   __m512 p = _mm512_set1_ps(1.f / 5040);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 720));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  for (float coef : {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) {
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(coef));
+  }
   return _mm512_scalef_ps(p, k);
 }
+
+inline __mmask16 first_lanes(int64_t n) { return n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1); }
 #endif
+
+// s[j] *= scale for j < n; returns the largest s[j].
+inline float scale_scores(float* s, int64_t n, float scale) {
+  float max = -std::numeric_limits<float>::infinity();
+  int64_t j = 0;
+#ifdef __AVX512F__
+  __m512 vmax = _mm512_set1_ps(max);
+  for (; j < n; j += 16) {
+    const __mmask16 m = first_lanes(n - j);
+    const __m512 x = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, s + j), _mm512_set1_ps(scale));
+    _mm512_mask_storeu_ps(s + j, m, x);
+    vmax = _mm512_mask_max_ps(vmax, m, vmax, x);
+  }
+  max = _mm512_reduce_max_ps(vmax);
+#endif
+  for (; j < n; ++j) max = std::max(max, s[j] *= scale);
+  return max;
+}
 
 // s[j] = exp(s[j] - max) for j < n (every s[j] <= max); returns the sum of the new s[j].
 inline float exp_shifted(float* s, int64_t n, float max) {
-  int64_t j = 0;
   float sum = 0.f;
+  int64_t j = 0;
 #ifdef __AVX512F__
-  __m512 acc = _mm512_setzero_ps();
+  __m512 vsum = _mm512_setzero_ps();
   for (; j < n; j += 16) {
-    __mmask16 m = n - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - j)) - 1);
-    __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + j), _mm512_set1_ps(max)));
+    const __mmask16 m = first_lanes(n - j);
+    const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + j), _mm512_set1_ps(max)));
     _mm512_mask_storeu_ps(s + j, m, e);
-    acc = _mm512_mask_add_ps(acc, m, acc, e);
+    vsum = _mm512_mask_add_ps(vsum, m, vsum, e);
   }
-  sum = _mm512_reduce_add_ps(acc);
+  sum = _mm512_reduce_add_ps(vsum);
 #endif
-  for (; j < n; ++j) {
-    s[j] = std::exp(s[j] - max);
-    sum += s[j];
-  }
+  for (; j < n; ++j) sum += s[j] = std::exp(s[j] - max);
   return sum;
 }
 
-template <typename T>
+// A task covers this many KV heads of one sequence: all of them (each token row read as one
+// contiguous stretch) when the batch alone gives every thread several tasks, else fewer.
+inline int64_t kv_heads_per_task(int64_t batch, int64_t num_kv_heads) {
+  const int64_t min_tasks = 4 * int64_t(at::get_num_threads());
+  int64_t span = num_kv_heads;
+  while (span > 1 && (num_kv_heads % span != 0 || batch * (num_kv_heads / span) < min_tasks)) --span;
+  return span;
+}
+
+// C > 0: AVX-512 path for head_dim 16 * C; C == 0: any head_dim.
+template <typename T, int C>
 void decode(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& tables,
             const at::Tensor& lens, at::Tensor& out, double scale, int64_t window) {
   const int64_t batch = q.size(0), num_heads = q.size(1), dim = q.size(2);
@@ -137,6 +259,9 @@ void decode(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& tabl
   const int64_t max_blocks = tables.size(1), table_stride = tables.stride(0);
   // Element offsets in the pages: token rows are num_kv_heads * dim apart, blocks block_size rows.
   const int64_t row_stride = num_kv_heads * dim, block_stride = block_size * row_stride;
+  // A task: one sequence, KV heads [kv_head0, kv_head0 + span), query heads [head0, head0 + heads).
+  const int64_t span = kv_heads_per_task(batch, num_kv_heads), tasks_per_seq = num_kv_heads / span;
+  const int64_t heads = span * group, slice_bytes = span * dim * int64_t(sizeof(T));
   const T* q_ptr = q.data_ptr<T>();
   const T* k_pages = cache.data_ptr<T>();
   const T* v_pages = k_pages + num_blocks * block_stride;
@@ -145,67 +270,110 @@ void decode(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& tabl
   T* out_ptr = out.data_ptr<T>();
   const float fscale = float(scale);
 
-  at::parallel_for(0, batch * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    // Per thread: scaled queries, accumulators [group, dim]; one widened row; score tile.
-    std::vector<float> work(2 * group * dim + dim + group * kTile + 2 * group);
-    float* qf = work.data();
-    float* acc = qf + group * dim;
-    float* row = acc + group * dim;
-    float* scores = row + dim;
-    float* run_max = scores + group * kTile;
-    float* run_sum = run_max + group;
-    int64_t offsets[kTile];  // element offset of each tile key's row within a page set
+  at::parallel_for(0, batch * tasks_per_seq, 1, [&](int64_t begin, int64_t end) {
+    // Per thread: accumulators [heads, dim]; scores [heads, kTile]; running max and sum per
+    // head; scratch for lane partial sums (kTile * 16) or widened rows (2 * dim).
+    std::vector<float> work(heads * dim + heads * kTile + 2 * heads + kTile * 16 + 2 * dim);
+    float* acc = work.data();
+    float* scores = acc + heads * dim;
+    float* run_max = scores + heads * kTile;
+    float* run_sum = run_max + heads;
+    float* scratch = run_sum + heads;
+    int64_t tile_offsets[2 * kTile];  // row offsets of the current and the next tile's keys
 
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t seq = task / num_kv_heads, kv_head = task % num_kv_heads;
+      const int64_t seq = task / tasks_per_seq, kv_head0 = (task % tasks_per_seq) * span;
+      const int64_t head0 = kv_head0 * group;
       const int64_t context_len = len_ptr[seq];
       TORCH_CHECK(context_len >= 0 && context_len <= max_blocks * block_size,
                   "context length ", context_len, " outside the block table");
       const int64_t first = window > 0 ? std::max<int64_t>(0, context_len - window) : 0;
       const int64_t* table = table_ptr + seq * table_stride;
-      for (int64_t g = 0; g < group; ++g) {
-        const T* src = q_ptr + seq * q_seq_stride + (kv_head * group + g) * q_head_stride;
-        const float* qrow = float_row(src, row, dim);
-        for (int64_t i = 0; i < dim; ++i) qf[g * dim + i] = qrow[i] * fscale;
-        run_max[g] = -std::numeric_limits<float>::infinity();
-        run_sum[g] = 0.f;
-      }
-      std::fill(acc, acc + group * dim, 0.f);
+      std::fill(acc, acc + heads * dim, 0.f);
+      std::fill(run_max, run_max + heads, -std::numeric_limits<float>::infinity());
+      std::fill(run_sum, run_sum + heads, 0.f);
 
-      for (int64_t start = first; start < context_len; start += kTile) {
-        const int64_t n = std::min(kTile, context_len - start);
+      // Element offsets of a tile's row slices (KV heads kv_head0..) in the K or V pages.
+      auto fill_offsets = [&](int64_t start, int64_t n, int64_t* offsets) {
         int64_t block_idx = start / block_size, in_block = start - block_idx * block_size;
         for (int64_t j = 0; j < n; ++j) {
           const int64_t block = table[block_idx];
           TORCH_CHECK(block >= 0 && block < num_blocks, "block id ", block, " out of range");
-          offsets[j] = block * block_stride + in_block * row_stride + kv_head * dim;
+          offsets[j] = block * block_stride + in_block * row_stride + kv_head0 * dim;
           if (++in_block == block_size) in_block = 0, ++block_idx;
-          const float* k = float_row(k_pages + offsets[j], row, dim);
-          for (int64_t g = 0; g < group; ++g) scores[g * kTile + j] = dot(qf + g * dim, k, dim);
         }
-        for (int64_t g = 0; g < group; ++g) {
-          float* s = scores + g * kTile;
-          const float new_max = std::max(run_max[g], *std::max_element(s, s + n));
-          const float correction = std::exp(run_max[g] - new_max);  // 0 on the first tile
-          run_sum[g] = run_sum[g] * correction + exp_shifted(s, n, new_max);
-          run_max[g] = new_max;
-          if (correction != 1.f) {
-            for (int64_t i = 0; i < dim; ++i) acc[g * dim + i] *= correction;
+      };
+      // Prefetching a tile ahead keeps many cache misses in flight across page boundaries.
+      auto prefetch = [&](const T* pages, const int64_t* offsets, int64_t n) {
+        for (int64_t j = 0; j < n; ++j) {
+          const char* p = reinterpret_cast<const char*>(pages + offsets[j]);
+          for (int64_t b = 0; b < slice_bytes; b += 64) __builtin_prefetch(p + b, 0, 3);
+        }
+      };
+      int64_t* offsets = tile_offsets;
+      int64_t* next_offsets = tile_offsets + kTile;
+      if (first < context_len) {
+        fill_offsets(first, std::min(kTile, context_len - first), offsets);
+        prefetch(k_pages, offsets, std::min(kTile, context_len - first));
+      }
+      for (int64_t start = first; start < context_len; start += kTile) {
+        const int64_t n = std::min(kTile, context_len - start);
+        prefetch(v_pages, offsets, n);
+        for (int64_t h = 0; h < heads; ++h) {
+          const T* qh = q_ptr + seq * q_seq_stride + (head0 + h) * q_head_stride;
+          const T* keys = k_pages + (h / group) * dim;
+          if constexpr (C > 0) {
+            score_keys<T, C>(qh, keys, offsets, n, scores + h * kTile, scratch);
+          } else {
+            score_keys_any<T>(qh, keys, offsets, n, dim, scores + h * kTile, scratch);
           }
         }
-        for (int64_t j = 0; j < n; ++j) {
-          const float* v = float_row(v_pages + offsets[j], row, dim);
-          for (int64_t g = 0; g < group; ++g) add_scaled(acc + g * dim, v, scores[g * kTile + j], dim);
+        for (int64_t h = 0; h < heads; ++h) {
+          float* s = scores + h * kTile;
+          const float new_max = std::max(run_max[h], scale_scores(s, n, fscale));
+          const float correction = std::exp(run_max[h] - new_max);  // 0 on the first tile
+          run_sum[h] = run_sum[h] * correction + exp_shifted(s, n, new_max);
+          run_max[h] = new_max;
+          if (correction != 1.f) {
+            for (int64_t i = 0; i < dim; ++i) acc[h * dim + i] *= correction;
+          }
         }
+        const int64_t next_start = start + kTile;
+        if (next_start < context_len) {
+          fill_offsets(next_start, std::min(kTile, context_len - next_start), next_offsets);
+          prefetch(k_pages, next_offsets, std::min(kTile, context_len - next_start));
+        }
+        for (int64_t h = 0; h < heads; ++h) {
+          const T* values = v_pages + (h / group) * dim;
+          if constexpr (C > 0) {
+            accumulate_values<T, C>(acc + h * dim, values, offsets, n, scores + h * kTile);
+          } else {
+            accumulate_values_any<T>(acc + h * dim, values, offsets, n, dim, scores + h * kTile, scratch);
+          }
+        }
+        std::swap(offsets, next_offsets);
       }
 
-      for (int64_t g = 0; g < group; ++g) {
-        const float inv = run_sum[g] > 0.f ? 1.f / run_sum[g] : 0.f;
-        T* dst = out_ptr + (seq * num_heads + kv_head * group + g) * dim;
-        for (int64_t i = 0; i < dim; ++i) dst[i] = T(acc[g * dim + i] * inv);
+      for (int64_t h = 0; h < heads; ++h) {
+        const float inv = run_sum[h] > 0.f ? 1.f / run_sum[h] : 0.f;
+        T* dst = out_ptr + (seq * num_heads + head0 + h) * dim;
+        for (int64_t i = 0; i < dim; ++i) dst[i] = T(acc[h * dim + i] * inv);
       }
     }
   });
+}
+
+template <typename T>
+void dispatch(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& tables, const at::Tensor& lens,
+              at::Tensor& out, double scale, int64_t window) {
+#ifdef __AVX512F__
+  switch (q.size(2)) {
+    case 64: return decode<T, 4>(q, cache, tables, lens, out, scale, window);
+    case 128: return decode<T, 8>(q, cache, tables, lens, out, scale, window);
+    case 256: return decode<T, 16>(q, cache, tables, lens, out, scale, window);
+  }
+#endif
+  decode<T, 0>(q, cache, tables, lens, out, scale, window);
 }
 
 }  // namespace
@@ -224,10 +392,10 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& cache, 
   TORCH_CHECK(q.device().is_cpu() && cache.device().is_cpu(), "CPU tensors only");
   at::Tensor out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
   if (q.scalar_type() == at::kFloat) {
-    decode<float>(q, cache, block_tables, context_lens, out, scale, sliding_window);
+    dispatch<float>(q, cache, block_tables, context_lens, out, scale, sliding_window);
   } else {
     TORCH_CHECK(q.scalar_type() == at::kBFloat16, "float32 or bfloat16 only");
-    decode<c10::BFloat16>(q, cache, block_tables, context_lens, out, scale, sliding_window);
+    dispatch<c10::BFloat16>(q, cache, block_tables, context_lens, out, scale, sliding_window);
   }
   return out;
 }
@@ -246,8 +414,10 @@ def _load() -> ModuleType | None:
         try:
             from torch.utils.cpp_extension import load_inline
 
+            name = f"{_EXTENSION_NAME}_{_cpu_tag()}"
+            _remove_stale_lock(name)
             _module = load_inline(
-                name=_EXTENSION_NAME,
+                name=name,
                 cpp_sources=[_CPP_SOURCE],
                 functions=["paged_decode_attention"],
                 # -fopenmp: at::parallel_for is header code that runs serially without it; the
@@ -255,7 +425,7 @@ def _load() -> ModuleType | None:
                 extra_cflags=["-O3", "-march=native", "-fopenmp"],
                 extra_ldflags=["-fopenmp"],
             )
-        except Exception as exc:  # no compiler, no ninja, a failed build: use the torch path
+        except Exception as exc:  # noqa: BLE001 - no compiler, no ninja, a failed build: torch path
             _build_failed = True
             log.warning("CPU paged attention kernel unavailable, using the torch path: %s", exc)
     return _module
@@ -266,6 +436,18 @@ def is_available() -> bool:
     if envs.is_cpu_kernels_disabled():
         return False
     return _load() is not None
+
+
+def can_decode(q: torch.Tensor, cache: torch.Tensor) -> bool:
+    """The kernel can serve this decode: CPU tensors of one supported dtype, and it is available."""
+    return (
+        cache.device.type == "cpu"
+        and q.dtype == cache.dtype
+        and q.dtype in SUPPORTED_DTYPES
+        and q.stride(-1) == 1
+        and cache.is_contiguous()
+        and is_available()
+    )
 
 
 def paged_decode_attention(
@@ -286,4 +468,6 @@ def paged_decode_attention(
     """
     module = _load()
     assert module is not None, "paged_decode_attention called without is_available()"
-    return module.paged_decode_attention(q, cache, block_tables, context_lens, float(scale), int(sliding_window))
+    return module.paged_decode_attention(
+        q, cache, block_tables, context_lens, float(scale), int(sliding_window)
+    )
