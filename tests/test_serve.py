@@ -289,19 +289,23 @@ def test_stalled_transfer_times_out_under_policy(tmp_path, pd_shm, policy):
 
 def test_api_key_shm_mode_and_cleanup_after_router_crash(tmp_path):
     server = start_server(SMALL + ["--api-key", "sekret"], str(tmp_path))
-    decode = next(w for w in server.workers() if w["role"] == "decode")
-    segments = shm_segments(decode["pid"])
-    assert len(segments) == 1 and (os.stat(segments[0]).st_mode & 0o777) == 0o600
-    r = httpx.post(f"{server.url}/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
-    assert r.status_code == 401 and r.json()["error"]["type"] == "AuthenticationError"
-    r = httpx.post(f"{server.url}/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2},
-                   headers={"Authorization": "Bearer sekret"})
-    assert r.status_code == 200
-    pids = [w["pid"] for w in server.workers()]
-    os.kill(server.process.pid, signal.SIGKILL)  # the router dies without any clean-up of its own
-    server.process.wait(10)
-    deadline = time.monotonic() + 15
-    while any(os.path.exists(f"/proc/{pid}") for pid in pids) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not any(os.path.exists(f"/proc/{pid}") for pid in pids), "workers outlived the router"
-    assert not shm_segments(decode["pid"])
+    try:
+        decode = next(w for w in server.workers() if w["role"] == "decode")
+        segments = shm_segments(decode["pid"])
+        assert len(segments) == 1 and (os.stat(segments[0]).st_mode & 0o777) == 0o600
+        r = httpx.post(f"{server.url}/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 401 and r.json()["error"]["type"] == "AuthenticationError"
+        r = httpx.post(f"{server.url}/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2},
+                       headers={"Authorization": "Bearer sekret"})
+        assert r.status_code == 200
+        pids = [w["pid"] for w in server.workers()]
+        os.kill(server.process.pid, signal.SIGKILL)  # the router dies without any clean-up of its own
+        server.process.wait(10)
+        deadline = time.monotonic() + 15
+        while any(os.path.exists(f"/proc/{pid}") for pid in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(os.path.exists(f"/proc/{pid}") for pid in pids), "workers outlived the router"
+        assert not shm_segments(decode["pid"])
+    finally:
+        if server.process.poll() is None:
+            stop_server(server)

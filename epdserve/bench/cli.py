@@ -1,4 +1,6 @@
-"""``epdserve bench serve``: flags (named as in ``vllm bench serve``) and the run itself.
+"""``epdserve bench``: the ``serve`` flags (named as in ``vllm bench serve``) and the run itself;
+the flag groups and client set-up that ``bench sweep`` (sweep.py) shares; and the registration of
+``bench sweep`` and ``bench experiment`` (experiments/).
 
 Every argument, dataset or connection problem ends as one line on stderr and exit code 2.
 """
@@ -15,6 +17,7 @@ from epdserve.bench import BenchError
 from epdserve.bench.metrics import METRIC_NAMES, SLO_NAMES
 
 if TYPE_CHECKING:
+    from epdserve.bench.client import ClientConfig
     from epdserve.bench.workloads import BenchTokenizer, Workload
 
 EXIT_BENCH_ERROR = 2
@@ -24,21 +27,58 @@ MAX_ERRORS_SHOWN = 10
 
 
 def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Register ``bench`` (with subcommand ``serve``) on a parent's subparsers object."""
+    """Register ``bench`` (subcommands ``serve``, ``sweep``, ``experiment``) on a parent's subparsers."""
+    from epdserve.bench.experiments import add_experiment_parser
+    from epdserve.bench.sweep import add_sweep_parser
+
     bench = subparsers.add_parser("bench", help="measure a running OpenAI-compatible server")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     p = bench_sub.add_parser("serve", help="send a workload to a server and report latency and throughput")
+    add_target_args(p)
+    p.add_argument(
+        "--return-timing",
+        action="store_true",
+        help="ask the server for per-request timing and report the TTFT breakdown",
+    )
+    add_workload_args(p)
+    t = p.add_argument_group("traffic")
+    t.add_argument(
+        "--request-rate", type=float, default=float("inf"), help="requests/s; inf sends all at once"
+    )
+    t.add_argument("--burstiness", type=float, default=1.0, help="1.0 is Poisson; gamma arrivals otherwise")
+    t.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at once")
+    add_sampling_args(p)
+    r = p.add_argument_group("report")
+    r.add_argument(
+        "--goodput", nargs="+", default=None, metavar="KEY:MS", help="SLOs: ttft:MS tpot:MS e2el:MS"
+    )
+    r.add_argument(
+        "--metric-percentiles", default="50,90,99", help="comma-separated percentiles (default 50,90,99)"
+    )
+    r.add_argument(
+        "--percentile-metrics", default=",".join(METRIC_NAMES), help="subset of ttft,tpot,itl,e2el"
+    )
+    r.add_argument("--result-json", default=None, help="write the result (vLLM's key names) to this file")
+    r.add_argument("--plots", default=None, metavar="DIR", help="write TTFT/ITL CDFs and a timeline as PNG")
+    r.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
+    p.set_defaults(func=run_bench_serve)
+    add_sweep_parser(bench_sub)
+    add_experiment_parser(bench_sub)
+    return p
+
+
+def add_target_args(p: argparse.ArgumentParser) -> None:
+    """Which server, model and endpoint; shared by ``bench serve`` and ``bench sweep``."""
     p.add_argument("--base-url", required=True, help="server root, e.g. http://127.0.0.1:8000")
     p.add_argument("--model", default=None, help="model name sent in requests (default: first of /v1/models)")
     p.add_argument("--tokenizer", default=None, help="tokenizer.json, or a directory holding one")
     p.add_argument("--endpoint", default="/v1/completions", help="/v1/completions or /v1/chat/completions")
     p.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
     p.add_argument("--timeout", type=float, default=6 * 60 * 60, help="per-request limit in seconds")
-    p.add_argument(
-        "--return-timing",
-        action="store_true",
-        help="ask the server for per-request timing and report the TTFT breakdown",
-    )
+
+
+def add_workload_args(p: argparse.ArgumentParser) -> None:
+    """The dataset flags; shared by ``bench serve`` and ``bench sweep``."""
     d = p.add_argument_group("workload")
     d.add_argument(
         "--dataset", "--dataset-name", dest="dataset", default="random", help="random, sharegpt, trace"
@@ -57,12 +97,10 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     d.add_argument("--trace-time-scale", type=float, default=1.0, help="multiplies trace timestamps")
     d.add_argument("--trace-length-scale", type=float, default=1.0, help="multiplies trace token lengths")
     d.add_argument("--seed", type=int, default=0)
-    t = p.add_argument_group("traffic")
-    t.add_argument(
-        "--request-rate", type=float, default=float("inf"), help="requests/s; inf sends all at once"
-    )
-    t.add_argument("--burstiness", type=float, default=1.0, help="1.0 is Poisson; gamma arrivals otherwise")
-    t.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at once")
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    """Sampling flags; shared by ``bench serve`` and ``bench sweep``."""
     s = p.add_argument_group("sampling")
     s.add_argument("--temperature", type=float, default=0.0)
     s.add_argument(
@@ -71,21 +109,6 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         default=None,
         help="generate exactly max_tokens (default: on for random and trace)",
     )
-    r = p.add_argument_group("report")
-    r.add_argument(
-        "--goodput", nargs="+", default=None, metavar="KEY:MS", help="SLOs: ttft:MS tpot:MS e2el:MS"
-    )
-    r.add_argument(
-        "--metric-percentiles", default="50,90,99", help="comma-separated percentiles (default 50,90,99)"
-    )
-    r.add_argument(
-        "--percentile-metrics", default=",".join(METRIC_NAMES), help="subset of ttft,tpot,itl,e2el"
-    )
-    r.add_argument("--result-json", default=None, help="write the result (vLLM's key names) to this file")
-    r.add_argument("--plots", default=None, metavar="DIR", help="write TTFT/ITL CDFs and a timeline as PNG")
-    r.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
-    p.set_defaults(func=run_bench_serve)
-    return p
 
 
 def parse_goodput(pairs: list[str] | None) -> dict[str, float]:
@@ -161,10 +184,42 @@ def load_workload(ns: argparse.Namespace, tokenizer: BenchTokenizer) -> Workload
     )
 
 
+def normalized_base_url(base_url: str) -> str:
+    """``--base-url`` without a trailing slash; BenchError unless it is http(s)."""
+    if not base_url.startswith(("http://", "https://")):
+        raise BenchError(f"--base-url must start with http:// or https://, got {base_url!r}")
+    return base_url.rstrip("/")
+
+
+def client_config(ns: argparse.Namespace, max_concurrency: int | None) -> ClientConfig:
+    """The client's settings from the target and sampling flags; asks the server for its
+    model when ``--model`` is not given (BenchError when it cannot be reached)."""
+    from epdserve.bench.client import ClientConfig, list_models
+
+    base_url = normalized_base_url(ns.base_url)
+    endpoint = ns.endpoint if ns.endpoint.startswith("/") else f"/{ns.endpoint}"
+    served = asyncio.run(list_models(base_url, ns.api_key))
+    model = ns.model or (served[0] if served else None)
+    if model is None:
+        raise BenchError(f"the server at {base_url} lists no model; pass --model NAME")
+    ignore_eos = ns.ignore_eos if ns.ignore_eos is not None else ns.dataset in ("random", "trace")
+    return ClientConfig(
+        api_url=base_url + endpoint,
+        model=model,
+        is_chat=endpoint.rstrip("/").endswith("chat/completions"),
+        temperature=ns.temperature,
+        ignore_eos=ignore_eos,
+        return_timing=getattr(ns, "return_timing", False),
+        api_key=ns.api_key,
+        timeout_s=ns.timeout,
+        max_concurrency=max_concurrency,
+    )
+
+
 def _bench_serve(ns: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from epdserve.bench.client import ClientConfig, list_models, run_benchmark
+    from epdserve.bench.client import run_benchmark
     from epdserve.bench.metrics import compute_metrics, ttft_breakdown_ms
     from epdserve.bench.report import RunInfo, build_result, format_table, write_result_json
     from epdserve.bench.workloads import arrival_offsets, load_tokenizer
@@ -174,34 +229,15 @@ def _bench_serve(ns: argparse.Namespace) -> int:
     percentile_metrics = parse_percentile_metrics(ns.percentile_metrics)
     if ns.max_concurrency is not None and ns.max_concurrency < 1:
         raise BenchError(f"--max-concurrency must be >= 1, got {ns.max_concurrency}")
-    base_url = ns.base_url.rstrip("/")
-    if not base_url.startswith(("http://", "https://")):
-        raise BenchError(f"--base-url must start with http:// or https://, got {ns.base_url!r}")
+    normalized_base_url(ns.base_url)
     tokenizer = load_tokenizer(ns.tokenizer)
     workload = load_workload(ns, tokenizer)
     num_requests = len(workload.requests)
     offsets_s = workload.arrival_offsets_s or arrival_offsets(
         num_requests, ns.request_rate, ns.burstiness, ns.seed
     )
-
-    endpoint = ns.endpoint if ns.endpoint.startswith("/") else f"/{ns.endpoint}"
-    served = asyncio.run(list_models(base_url, ns.api_key))
-    model = ns.model or (served[0] if served else None)
-    if model is None:
-        raise BenchError(f"the server at {base_url} lists no model; pass --model NAME")
-    is_chat = endpoint.rstrip("/").endswith("chat/completions")
-    ignore_eos = ns.ignore_eos if ns.ignore_eos is not None else ns.dataset in ("random", "trace")
-    config = ClientConfig(
-        api_url=base_url + endpoint,
-        model=model,
-        is_chat=is_chat,
-        temperature=ns.temperature,
-        ignore_eos=ignore_eos,
-        return_timing=ns.return_timing,
-        api_key=ns.api_key,
-        timeout_s=ns.timeout,
-        max_concurrency=ns.max_concurrency,
-    )
+    config = client_config(ns, ns.max_concurrency)
+    model, is_chat = config.model, config.is_chat
 
     if workload.arrival_offsets_s is not None:
         print(f"Replaying the trace's timestamps (time scale {ns.trace_time_scale:g})")
