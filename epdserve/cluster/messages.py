@@ -78,6 +78,7 @@ class Timing(msgspec.Struct, omit_defaults=True):
     kv_transfer_start: float = 0.0
     kv_transfer_end: float = 0.0
     kv_exposed_s: float = 0.0  # transfer time not hidden behind prefill compute (a duration)
+    kv_blocking_s: float = 0.0  # of which inside the prefill step (delays the first token)
     first_token: float = 0.0
     decode_start: float = 0.0
     finished: float = 0.0
@@ -121,6 +122,7 @@ class TransferDone(Msg):
     transfer_start: float = 0.0
     transfer_end: float = 0.0
     exposed_s: float = 0.0  # transfer time not hidden behind prefill compute
+    blocking_s: float = 0.0  # of which the prefill worker's compute thread spent moving bytes
     reason: str = ""
 
 

@@ -12,6 +12,7 @@ decode worker, opened when the router announces the peer.
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import signal
 import socket
@@ -33,6 +34,7 @@ from epdserve.transfer.shm_pool import SharedKVPool
 from epdserve.transfer.tcp import TcpKVReceiver
 
 ROLES = ("colocated", "prefill", "decode")
+log = logging.getLogger("epdserve.worker")
 
 
 @dataclass(frozen=True)
@@ -88,6 +90,8 @@ class Worker:
         self.endpoint: m.KVEndpoint | None = None
         self._landed: set[str] = set()
         self._landed_lock = threading.Lock()
+        # Receiver threads wake the engine loop through this fd when a request's KV has landed.
+        self._landed_fd = os.eventfd(0, os.EFD_NONBLOCK)
         self._pending_decode: dict[str, m.StartDecode] = {}
         self._prefill_ids: set[str] = set()  # P/D prefills whose TransferDone is still due
         self._reserved_at: dict[str, float] = {}
@@ -128,6 +132,7 @@ class Worker:
     def _on_landed(self, request_id: str) -> None:
         with self._landed_lock:
             self._landed.add(request_id)
+        os.eventfd_write(self._landed_fd, 1)
 
     def register(self) -> m.Register:
         cfg = self.engine.config
@@ -167,11 +172,19 @@ class Worker:
         threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True).start()
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
+        poller.register(self._landed_fd, zmq.POLLIN)
         try:
             while not self._stop.is_set():
-                busy = self.engine.has_unfinished() or self._pending_decode or self.engine.scheduler.transferring
-                timeout_ms = 0 if busy else 100
-                while dict(poller.poll(timeout_ms)).get(self.sock):
+                # Idle (or only waiting for KV to land or leave): sleep until a message or a
+                # landing wakes the loop; the timeout bounds how stale transfer polls get.
+                busy = self.engine.has_unfinished()
+                timeout_ms = 0 if busy else (5 if self.engine.scheduler.transferring else 100)
+                while True:
+                    ready = dict(poller.poll(timeout_ms))
+                    if self._landed_fd in ready:
+                        os.eventfd_read(self._landed_fd)
+                    if self.sock not in ready:
+                        break
                     self._handle(m.decode(self.sock.recv()))
                     timeout_ms = 0
                     if self._stop.is_set():
@@ -216,7 +229,11 @@ class Worker:
                     self._prefill_ids.discard(msg.request_id)
                     self.sock.send(m.encode(m.TransferDone(msg.request_id, False, reason="aborted")))
             elif isinstance(msg, m.PeerUp) and engine.runner.pusher is not None:
-                engine.runner.pusher.add_peer(msg.worker_id, msg.endpoint)
+                try:
+                    engine.runner.pusher.add_peer(msg.worker_id, msg.endpoint)
+                except (OSError, ValueError) as e:
+                    # Transfers to this peer then fail one by one; the worker keeps serving.
+                    log.warning("cannot reach decode worker %s: %s", msg.worker_id, e)
             elif isinstance(msg, m.PeerDown) and engine.runner.pusher is not None:
                 engine.runner.pusher.remove_peer(msg.worker_id)
             elif isinstance(msg, m.Shutdown):
@@ -260,8 +277,8 @@ class Worker:
         for stats in self.engine.poll_transfers():
             self._prefill_ids.discard(stats.request_id)
             self.sock.send(m.encode(m.TransferDone(
-                stats.request_id, stats.ok, stats.kv_bytes, stats.start, stats.end,
-                max(0.0, stats.end - stats.compute_end), "" if stats.ok else "KV transfer failed",
+                stats.request_id, stats.ok, stats.kv_bytes, stats.start, stats.end, stats.exposed_s,
+                stats.blocking_s, "" if stats.ok else "KV transfer failed",
             )))
 
     def _expire_reservations(self) -> None:
@@ -286,6 +303,7 @@ class Worker:
             self.pool = None
         self.sock.close()
         self.ctx.term()
+        os.close(self._landed_fd)
 
 
 def _interrupt(signum: int, frame: object) -> None:

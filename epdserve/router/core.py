@@ -491,6 +491,7 @@ class Router:
             self.metrics.kv_seconds.inc(max(0.0, msg.transfer_end - msg.transfer_start))
             self.metrics.kv_exposed.inc(msg.exposed_s)
             timing.kv_exposed_s = max(timing.kv_exposed_s, msg.exposed_s)
+            timing.kv_blocking_s = max(timing.kv_blocking_s, msg.blocking_s)
         if path.done or path.phase == "draining":
             self._post(path.decode, m.Abort(path.path_id))
             self._finish_path(path)

@@ -1,14 +1,15 @@
 """Server-side timing of one request, as returned with ``"return_timing": true``.
 
-TTFT decomposes as ``queue + encode + prefill + exposed KV transfer + first-token output``:
+TTFT decomposes as ``queue + encode + prefill + blocking KV transfer + first-token output``:
 
-    arrived ─queue─▶ prefill_start ─prefill─▶ prefill_end ─first token out─▶ first_token
-                                    kv_transfer_start ··· kv_transfer_end (exposed part:
-                                    after prefill_end, not hidden behind prefill compute)
+    arrived ─queue─▶ prefill_start ─prefill compute + blocking transfer─▶ prefill_end
+            ─first token out─▶ first_token
 
-The prefill worker samples the first token and the router streams it at once, so on the P/D
-path the exposed transfer delays the second token rather than the first; it is reported
-beside the TTFT components so that the hand-off cost is visible either way.
+The prefill step's own time moving KV (a shared-memory write is a copy by the prefill
+worker's thread; so is gathering the pages for a TCP send) delays the first token and is
+``kv_blocking_ms``; ``prefill_ms`` is the rest of the step. What is still in flight when the
+prefill ends (TCP) delays the second token instead; ``exposed_transfer_ms`` is the whole
+part not hidden behind prefill compute (blocking + in flight after it).
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ def timing_json(t: Timing) -> dict:
         "num_cached_tokens": t.num_cached_tokens,
         "queue_ms": _ms(t.prefill_start, t.arrived),
         "encode_ms": 0.0,
-        "prefill_ms": _ms(t.prefill_end, t.prefill_start),
+        "prefill_ms": max(0.0, round(_ms(t.prefill_end, t.prefill_start) - t.kv_blocking_s * 1e3, 3)),
+        "kv_blocking_ms": round(t.kv_blocking_s * 1e3, 3),
         "kv_transfer_ms": _ms(t.kv_transfer_end, t.kv_transfer_start),
         "exposed_transfer_ms": round(t.kv_exposed_s * 1e3, 3),
         "first_token_ms": _ms(t.first_token, prefill_end),

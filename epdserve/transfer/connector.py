@@ -92,9 +92,17 @@ class TransferStats:
     request_id: str
     ok: bool
     kv_bytes: int
-    start: float  # seconds since the epoch
+    start: float  # seconds since the epoch: the first layer pushed
     end: float
     compute_end: float  # when the prompt's last chunk finished computing
+    blocking_s: float  # time the prefill worker's compute thread spent moving this KV
+
+    @property
+    def exposed_s(self) -> float:
+        """Transfer time not hidden behind prefill compute: what the compute thread spent
+        moving bytes (a shared-memory write is a copy by that thread) plus what was still in
+        flight when compute ended."""
+        return self.blocking_s + max(0.0, self.end - self.compute_end)
 
 
 class KVPusher:
@@ -115,6 +123,7 @@ class KVPusher:
         self._items: list[PushItem] = []
         self._targets: dict[str, str] = {}  # request id -> decode worker id, while in flight
         self._started: dict[str, float] = {}
+        self._blocking: dict[str, float] = {}
         self._bytes: dict[str, int] = {}
         self._compute_end: dict[str, float] = {}
         self._finished: list[TransferStats] = []
@@ -140,6 +149,7 @@ class KVPusher:
         if request_id in self._targets:
             self._targets.pop(request_id)
             self._started.pop(request_id, None)
+            self._blocking.pop(request_id, None)
             self._bytes.pop(request_id, None)
             self._compute_end.pop(request_id, None)
 
@@ -165,7 +175,6 @@ class KVPusher:
                 self._finish(item.request_id, ok=False)
                 continue
             self._targets[item.request_id] = item.target
-            self._started.setdefault(item.request_id, time.time())
             if not self.layerwise:
                 if not item.is_last:
                     continue
@@ -188,13 +197,13 @@ class KVPusher:
 
     def end_step(self) -> None:
         """After the forward pass: bulk pushes, end-of-request markers."""
+        compute_end = time.time()
         if not self.layerwise:
             for layer in range(len(self.kv_caches)):
                 self._push_layer(layer)
-        now = time.time()
         for item in self._items:
             if item.is_last and item.request_id in self._targets and not self.stall:
-                self._compute_end[item.request_id] = now
+                self._compute_end[item.request_id] = compute_end
                 self.links[item.target].finish(item.request_id)
         self._items = []
 
@@ -205,9 +214,13 @@ class KVPusher:
             link = self.links.get(item.target)
             if link is None or item.request_id not in self._targets:
                 continue
+            rid = item.request_id
+            start = time.time()
+            self._started.setdefault(rid, start)
             kv = flat.index_select(1, item.src_slots[group])
-            link.write(item.request_id, layer, kv, item.dst_slots[group])
-            self._bytes[item.request_id] = self._bytes.get(item.request_id, 0) + kv.numel() * kv.element_size()
+            link.write(rid, layer, kv, item.dst_slots[group])
+            self._blocking[rid] = self._blocking.get(rid, 0.0) + time.time() - start
+            self._bytes[rid] = self._bytes.get(rid, 0) + kv.numel() * kv.element_size()
 
     def poll(self) -> list[TransferStats]:
         """Transfers that completed or failed since the last poll."""
@@ -227,7 +240,7 @@ class KVPusher:
         self._finished.append(
             TransferStats(
                 request_id, ok, self._bytes.pop(request_id, 0), self._started.pop(request_id, now),
-                now, self._compute_end.pop(request_id, now),
+                now, self._compute_end.pop(request_id, now), self._blocking.pop(request_id, 0.0),
             )
         )
 
