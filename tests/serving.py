@@ -4,17 +4,15 @@ from __future__ import annotations
 
 import glob
 import os
-import re
-import selectors
-import signal
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 
-READY = re.compile(r"epdserve ready in [\d.]+ s: (http://[\d.:]+) .*workers connect to (tcp://[\d.:]+)")
+from epdserve.bench.experiments import launch
+
 SMALL = ["--max-model-len", "1024", "--kv-cache-memory", "0.1"]
 
 
@@ -59,40 +57,16 @@ class Server:
 
 
 def start_server(args: list[str], log_dir: str, timeout_s: float = 180.0) -> Server:
-    cmd = [sys.executable, "-m", "epdserve.cli", "serve", "--port", "0", "--worker-log-dir", log_dir, *args]
-    process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    selector = selectors.DefaultSelector()
-    selector.register(process.stdout, selectors.EVENT_READ)
-    deadline = time.monotonic() + timeout_s
-    lines = []
-    while time.monotonic() < deadline:
-        if not selector.select(timeout=max(0.0, deadline - time.monotonic())):
-            break
-        line = process.stdout.readline()
-        if not line:
-            break
-        lines.append(line)
-        match = READY.search(line)
-        if match:
-            api_key = args[args.index("--api-key") + 1] if "--api-key" in args else None
-            return Server(process, match.group(1), match.group(2), log_dir, api_key)
-    stop_server_process(process)
-    raise AssertionError("server did not become ready:\n" + "".join(lines[-20:]))
-
-
-def stop_server_process(process: subprocess.Popen) -> None:
-    if process.poll() is None:
-        process.send_signal(signal.SIGINT)
-        try:
-            process.wait(20)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+    """``epdserve serve ARGS`` on a free port (the experiments' launcher: bounded wait for the
+    ready line, output drained to a file so the pipe never fills)."""
+    running = launch.start_server(args, Path(log_dir), timeout_s)
+    api_key = args[args.index("--api-key") + 1] if "--api-key" in args else None
+    return Server(running.process, running.url, running.router_address, log_dir, api_key)
 
 
 def stop_server(server: Server) -> None:
     pids = [w["pid"] for w in server.workers()] if server.process.poll() is None else []
-    stop_server_process(server.process)
+    launch.stop_process(server.process)
     deadline = time.monotonic() + 15
     for pid in pids:
         while _alive(pid) and time.monotonic() < deadline:
