@@ -5,6 +5,26 @@ from __future__ import annotations
 import pytest
 import torch
 
+# Short English and code prompts shared by the engine-level tests.
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village,",
+    "Water boils at a temperature of",
+    "List three primary colors:",
+    "The quick brown fox",
+    "In 1969, astronauts",
+    "import numpy as np\n",
+    "My favourite food is",
+    "Translate to French: good morning",
+    "The meaning of life is",
+    "Photosynthesis converts",
+    "A haiku about the sea:",
+    "SELECT * FROM users WHERE",
+    "The largest planet in our solar system",
+    "To be or not to be,",
+]
+
 
 def assert_all_blocks_free(engine) -> None:
     """The one leak check: nothing queued or running, every KV block back in its pool."""

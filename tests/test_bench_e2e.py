@@ -7,7 +7,6 @@ import subprocess
 import sys
 
 import pytest
-
 from serving import SMALL, start_server, stop_server
 
 pytestmark = pytest.mark.slow

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import PROMPTS, assert_all_blocks_free, hf_greedy
 
-from conftest import assert_all_blocks_free, hf_greedy
 from epdserve.config import EngineArgs
 from epdserve.engine.engine import LLMEngine
 from epdserve.models.loader import load_model
@@ -13,24 +13,6 @@ from epdserve.sampling import SamplingParams
 
 pytestmark = pytest.mark.slow
 
-PROMPTS = [
-    "The capital of France is",
-    "def fibonacci(n):",
-    "Once upon a time, in a small village,",
-    "Water boils at a temperature of",
-    "List three primary colors:",
-    "The quick brown fox",
-    "In 1969, astronauts",
-    "import numpy as np\n",
-    "My favourite food is",
-    "Translate to French: good morning",
-    "The meaning of life is",
-    "Photosynthesis converts",
-    "A haiku about the sea:",
-    "SELECT * FROM users WHERE",
-    "The largest planet in our solar system",
-    "To be or not to be,",
-]
 GREEDY_32 = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
 
 

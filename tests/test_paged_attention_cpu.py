@@ -10,6 +10,7 @@ import textwrap
 
 import pytest
 import torch
+from conftest import PROMPTS
 
 from epdserve import envs
 from epdserve.models.layers import paged_attention_cpu
@@ -137,16 +138,7 @@ def test_engine_greedy_same_with_and_without_kernel(monkeypatch) -> None:
     from epdserve.sampling import SamplingParams
 
     engine = LLMEngine(EngineArgs(dtype="float32", kv_cache_memory_gib=0.1))
-    texts = [
-        "The capital of France is",
-        "def fibonacci(n):",
-        "Once upon a time, in a small village,",
-        "Water boils at a temperature of",
-        "List three primary colors:",
-        "The quick brown fox",
-        "In 1969, astronauts",
-        "import numpy as np\n",
-    ]
+    texts = PROMPTS[:8]
     prompts = [engine.encode_prompt(t) for t in texts]
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     kernel = paged_attention_cpu.paged_decode_attention

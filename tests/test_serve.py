@@ -12,7 +12,6 @@ import time
 
 import httpx
 import pytest
-
 from serving import SMALL, Server, shm_segments, start_server, stop_server
 
 pytestmark = pytest.mark.slow
