@@ -1,0 +1,390 @@
+"""Step-time cost model: the profile file (``profile.json``) and the functions it feeds.
+
+One engine step of a role takes (seconds)::
+
+    t = base_s + per_prefill_token_s * P + per_prefill_attn_pair_s * A
+               + per_decode_seq_s * D + per_decode_context_token_s * C
+
+over the step's scheduled entries: an entry with more than one new token, or one still inside
+its prompt, is prefill (P = its new tokens, A = query-key pairs of causal attention over them);
+the others are decode (D = their count, C = their context length, start_pos + 1). An encoder
+batch of images takes ``base_s + per_tile_s * total_tiles``.
+
+``epdserve profile`` writes the file; ``simulate`` and ``plan`` read it.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from epdserve.errors import ConfigError
+
+if TYPE_CHECKING:
+    from epdserve.engine.scheduler import SchedulerOutput
+
+PROFILE_VERSION = 1
+STEP_ROLES = ("colocated", "prefill", "decode")
+ENCODE_ROLE = "encode"
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_coefficient(name: str, value: Any) -> None:
+    _require(_is_number(value), f"{name} must be a number, got {value!r}")
+    _require(math.isfinite(value), f"{name} must be finite, got {value!r}")
+    _require(value >= 0, f"{name} must be >= 0, got {value!r}")
+
+
+def _check_count(name: str, value: Any, minimum: int) -> None:
+    _require(
+        isinstance(value, int) and not isinstance(value, bool) and value >= minimum,
+        f"{name} must be an integer >= {minimum}, got {value!r}",
+    )
+
+
+@dataclass(frozen=True)
+class StepShape:
+    num_prefill_tokens: int
+    prefill_attn_pairs: int  # query-key pairs of causal attention over the prefill tokens
+    num_decode_seqs: int
+    decode_context_tokens: int  # sum of the decode entries' context lengths (tokens)
+
+    @classmethod
+    def from_scheduler_output(cls, out: SchedulerOutput) -> StepShape:
+        num_prefill = attn_pairs = num_decode = context = 0
+        for entry in out.scheduled:
+            n = entry.num_new_tokens
+            start = entry.start_pos
+            if n > 1 or start < entry.request.num_prompt_tokens:
+                num_prefill += n
+                # sum over positions p = start .. start+n-1 of (p + 1)
+                attn_pairs += n * start + n * (n + 1) // 2
+            else:
+                num_decode += 1
+                context += start + 1
+        return cls(num_prefill, attn_pairs, num_decode, context)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> StepShape:
+        return cls(**{f.name: int(d.get(f.name, 0)) for f in fields(cls)})
+
+    def to_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def features(self) -> tuple[float, float, float, float, float]:
+        """The regressors of ``StepCost``, in coefficient order (1 for the base)."""
+        return (1.0, self.num_prefill_tokens, self.prefill_attn_pairs, self.num_decode_seqs, self.decode_context_tokens)
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """Seconds per step and per unit of each ``StepShape`` term; all >= 0."""
+
+    base_s: float
+    per_prefill_token_s: float
+    per_prefill_attn_pair_s: float
+    per_decode_seq_s: float
+    per_decode_context_token_s: float
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            _check_coefficient(f.name, getattr(self, f.name))
+
+    def time_s(self, shape: StepShape) -> float:
+        return (
+            self.base_s
+            + self.per_prefill_token_s * shape.num_prefill_tokens
+            + self.per_prefill_attn_pair_s * shape.prefill_attn_pairs
+            + self.per_decode_seq_s * shape.num_decode_seqs
+            + self.per_decode_context_token_s * shape.decode_context_tokens
+        )
+
+    def to_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> StepCost:
+        _require(isinstance(d, dict), f"step must be an object, got {type(d).__name__}")
+        for f in fields(cls):
+            _require(f.name in d, f"step is missing {f.name!r}")
+        return cls(**{f.name: d[f.name] for f in fields(cls)})
+
+    @staticmethod
+    def fit(samples: Sequence[tuple[StepShape, float]]) -> tuple[StepCost, dict]:
+        """Non-negative least squares of measured step times on the shape terms.
+
+        Returns the coefficients and ``{"r2", "mean_abs_rel_error", "num_samples"}``.
+        """
+        _require(len(samples) >= 1, "cannot fit a step cost to zero samples")
+        x = np.array([shape.features() for shape, _ in samples], dtype=np.float64)
+        y = np.array([t for _, t in samples], dtype=np.float64)
+        # Columns span ~10 orders of magnitude (1 vs attention pairs): solve on unit columns.
+        scale = np.linalg.norm(x, axis=0)
+        scale[scale == 0] = 1.0
+        coef = _nnls(x / scale, y) / scale
+        cost = StepCost(*(float(c) for c in coef))
+        pred = x @ coef
+        ss_res = float(np.sum((y - pred) ** 2))
+        ss_tot = float(np.sum((y - y.mean()) ** 2))
+        r2 = 1.0 - ss_res / ss_tot if ss_tot > 0 else (1.0 if ss_res == 0 else 0.0)
+        positive = y > 0
+        rel = np.abs(pred[positive] - y[positive]) / y[positive]
+        mean_rel = float(rel.mean()) if rel.size else 0.0
+        return cost, {"r2": r2, "mean_abs_rel_error": mean_rel, "num_samples": len(samples)}
+
+
+def _nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """min ||a x - b|| subject to x >= 0 (scipy's solver when installed, else Lawson-Hanson)."""
+    try:
+        from scipy.optimize import nnls
+    except ImportError:
+        return _lawson_hanson(a, b)
+    return nnls(a, b)[0]
+
+
+def _lawson_hanson(a: np.ndarray, b: np.ndarray, max_iter: int = 500) -> np.ndarray:
+    num_vars = a.shape[1]
+    x = np.zeros(num_vars)
+    passive = np.zeros(num_vars, dtype=bool)
+    tol = 1e-12 * max(1.0, float(np.abs(a).max(initial=0.0)) * float(np.abs(b).max(initial=0.0)))
+    for _ in range(max_iter):
+        grad = a.T @ (b - a @ x)
+        candidates = ~passive & (grad > tol)
+        if not candidates.any():
+            break
+        passive[np.argmax(np.where(candidates, grad, -np.inf))] = True
+        while True:
+            z = np.zeros(num_vars)
+            z[passive] = np.linalg.lstsq(a[:, passive], b, rcond=None)[0]
+            if (z[passive] > 0).all():
+                x = z
+                break
+            blocking = passive & (z <= 0)
+            alpha = np.min(x[blocking] / (x[blocking] - z[blocking]))
+            x = x + alpha * (z - x)
+            passive &= x > tol
+            x[~passive] = 0.0
+    return np.maximum(x, 0.0)
+
+
+@dataclass(frozen=True)
+class RoleProfile:
+    """One step role (colocated, prefill or decode) as profiled on its cores."""
+
+    name: str
+    num_threads: int
+    num_kv_blocks: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    step: StepCost
+    fit: dict | None = field(default=None, compare=False)  # {"r2", "mean_abs_rel_error", "num_samples"}
+    samples: tuple[dict, ...] = field(default=(), compare=False)  # StepShape fields + "time_s"
+
+    def __post_init__(self) -> None:
+        _require(self.name in STEP_ROLES, f"unknown role {self.name!r} (roles: {', '.join(STEP_ROLES + (ENCODE_ROLE,))})")
+        _check_count(f"{self.name}.num_threads", self.num_threads, 1)
+        _check_count(f"{self.name}.num_kv_blocks", self.num_kv_blocks, 2)
+        _check_count(f"{self.name}.max_num_seqs", self.max_num_seqs, 1)
+        _check_count(f"{self.name}.max_num_batched_tokens", self.max_num_batched_tokens, 1)
+
+    def step_samples(self) -> list[tuple[StepShape, float]]:
+        return [(StepShape.from_dict(s), float(s["time_s"])) for s in self.samples]
+
+    def to_dict(self) -> dict:
+        d = {
+            "num_threads": self.num_threads,
+            "num_kv_blocks": self.num_kv_blocks,
+            "max_num_seqs": self.max_num_seqs,
+            "max_num_batched_tokens": self.max_num_batched_tokens,
+            "step": self.step.to_dict(),
+        }
+        if self.fit is not None:
+            d["fit"] = dict(self.fit)
+        if self.samples:
+            d["samples"] = [dict(s) for s in self.samples]
+        return d
+
+    @classmethod
+    def from_dict(cls, name: str, d: dict) -> RoleProfile:
+        _require(isinstance(d, dict), f"role {name!r} must be an object")
+        for key in ("num_threads", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "step"):
+            _require(key in d, f"role {name!r} is missing {key!r}")
+        try:
+            step = StepCost.from_dict(d["step"])
+        except ConfigError as e:
+            raise ConfigError(f"role {name!r}: {e}") from None
+        samples = d.get("samples") or []
+        _require(isinstance(samples, list) and all(isinstance(s, dict) and "time_s" in s for s in samples),
+                 f"role {name!r}: samples must be a list of objects with time_s")
+        return cls(
+            name=name,
+            num_threads=d["num_threads"],
+            num_kv_blocks=d["num_kv_blocks"],
+            max_num_seqs=d["max_num_seqs"],
+            max_num_batched_tokens=d["max_num_batched_tokens"],
+            step=step,
+            fit=d.get("fit"),
+            samples=tuple(samples),
+        )
+
+
+@dataclass(frozen=True)
+class EncodeCost:
+    """Vision encoder: seconds for one batch of images, by total tiles."""
+
+    num_threads: int
+    tokens_per_tile: int  # embedding rows one tile produces
+    base_s: float
+    per_tile_s: float
+    samples: tuple[dict, ...] = field(default=(), compare=False)  # {"num_tiles", "time_s"}
+
+    def __post_init__(self) -> None:
+        _check_count("encode.num_threads", self.num_threads, 1)
+        _check_count("encode.tokens_per_tile", self.tokens_per_tile, 1)
+        _check_coefficient("encode.image.base_s", self.base_s)
+        _check_coefficient("encode.image.per_tile_s", self.per_tile_s)
+
+    def time_s(self, num_tiles: int) -> float:
+        return self.base_s + self.per_tile_s * num_tiles
+
+    def to_dict(self) -> dict:
+        d = {
+            "num_threads": self.num_threads,
+            "tokens_per_tile": self.tokens_per_tile,
+            "image": {"base_s": self.base_s, "per_tile_s": self.per_tile_s},
+        }
+        if self.samples:
+            d["samples"] = [dict(s) for s in self.samples]
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> EncodeCost:
+        _require(isinstance(d, dict), "role 'encode' must be an object")
+        for key in ("num_threads", "tokens_per_tile", "image"):
+            _require(key in d, f"role 'encode' is missing {key!r}")
+        image = d["image"]
+        _require(isinstance(image, dict), "encode.image must be an object")
+        for key in ("base_s", "per_tile_s"):
+            _require(key in image, f"encode.image is missing {key!r}")
+        return cls(d["num_threads"], d["tokens_per_tile"], image["base_s"], image["per_tile_s"], tuple(d.get("samples") or ()))
+
+
+@dataclass(frozen=True)
+class CostModel:
+    model: str
+    dtype: str
+    block_size: int  # tokens per KV block
+    kv_bytes_per_token: int  # K and V of every layer for one token
+    embed_bytes_per_token: int | None  # one encoder output row; None without an encoder profile
+    num_layers: int
+    roles: dict[str, RoleProfile]
+    encode: EncodeCost | None = None
+    raw: dict = field(default_factory=dict, compare=False)  # the file as read (host, device, ...)
+
+    def __post_init__(self) -> None:
+        _check_count("block_size", self.block_size, 1)
+        _check_count("kv_bytes_per_token", self.kv_bytes_per_token, 1)
+        _check_count("num_layers", self.num_layers, 1)
+        if self.embed_bytes_per_token is not None:
+            _check_count("embed_bytes_per_token", self.embed_bytes_per_token, 1)
+        for name, role in self.roles.items():
+            _require(name == role.name, f"role key {name!r} holds a profile named {role.name!r}")
+        _require(bool(self.roles) or self.encode is not None, "profile has no roles")
+
+    def role(self, name: str) -> RoleProfile:
+        if name == ENCODE_ROLE:
+            raise ConfigError("the encode role has no step cost; use CostModel.encoder()")
+        profile = self.roles.get(name)
+        if profile is None:
+            raise ConfigError(f"profile has no {name!r} role; rerun epdserve profile --roles {name}")
+        return profile
+
+    def encoder(self) -> EncodeCost:
+        if self.encode is None or self.embed_bytes_per_token is None:
+            raise ConfigError("profile has no 'encode' role; rerun epdserve profile --roles encode")
+        return self.encode
+
+    @classmethod
+    def from_dict(cls, d: dict) -> CostModel:
+        _require(isinstance(d, dict), f"profile must be a JSON object, got {type(d).__name__}")
+        _require("version" in d, "profile is missing 'version'")
+        _require(d["version"] == PROFILE_VERSION, f"profile version {d['version']!r} is not supported (expected {PROFILE_VERSION})")
+        for key in ("model", "dtype", "block_size", "kv_bytes_per_token", "num_layers", "roles"):
+            _require(key in d, f"profile is missing {key!r}")
+        roles_in = d["roles"]
+        _require(isinstance(roles_in, dict), "profile 'roles' must be an object")
+        roles: dict[str, RoleProfile] = {}
+        encode = None
+        for name, role in roles_in.items():
+            if name == ENCODE_ROLE:
+                encode = EncodeCost.from_dict(role)
+            elif name in STEP_ROLES:
+                roles[name] = RoleProfile.from_dict(name, role)
+            else:
+                raise ConfigError(f"unknown role {name!r} (roles: {', '.join(STEP_ROLES + (ENCODE_ROLE,))})")
+        return cls(
+            model=str(d["model"]),
+            dtype=str(d["dtype"]),
+            block_size=d["block_size"],
+            kv_bytes_per_token=d["kv_bytes_per_token"],
+            embed_bytes_per_token=d.get("embed_bytes_per_token"),
+            num_layers=d["num_layers"],
+            roles=roles,
+            encode=encode,
+            raw=copy.deepcopy(d),
+        )
+
+    def to_dict(self) -> dict:
+        d = copy.deepcopy(self.raw)
+        d.update(
+            version=PROFILE_VERSION,
+            model=self.model,
+            dtype=self.dtype,
+            block_size=self.block_size,
+            kv_bytes_per_token=self.kv_bytes_per_token,
+            embed_bytes_per_token=self.embed_bytes_per_token,
+            num_layers=self.num_layers,
+        )
+        old_roles = d.get("roles") if isinstance(d.get("roles"), dict) else {}
+        roles = {}
+        for name, role in self.roles.items():
+            roles[name] = {**old_roles.get(name, {}), **role.to_dict()}
+        if self.encode is not None:
+            roles[ENCODE_ROLE] = {**old_roles.get(ENCODE_ROLE, {}), **self.encode.to_dict()}
+        d["roles"] = roles
+        return d
+
+    @classmethod
+    def load(cls, path: str | Path) -> CostModel:
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except OSError as e:
+            raise ConfigError(f"cannot read profile {path}: {e.strerror}") from None
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"profile {path} is not JSON: {e.msg} at line {e.lineno}") from None
+        try:
+            return cls.from_dict(d)
+        except ConfigError as e:
+            raise ConfigError(f"profile {path}: {e}") from None
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"profile {path}: {e}") from None
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n", encoding="utf-8")
