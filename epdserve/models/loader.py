@@ -22,7 +22,13 @@ from torch import nn
 
 from epdserve.models import weight_cache
 from epdserve.models.layers.packed_linear import prepack_model
-from epdserve.models.registry import ModelBlueprint, architecture_of, build_blueprint, text_config
+from epdserve.models.registry import (
+    ModelBlueprint,
+    architecture_of,
+    build_blueprint,
+    text_config,
+    text_weights,
+)
 from epdserve.models.safetensors_loader import (
     configured_eos_token_ids,
     iter_safetensors,
@@ -165,11 +171,11 @@ def _read_dir(model_dir: Path, name: str) -> tuple[dict, Tokenizer, ModelBluepri
 
 def load_hf_dir(model_dir: Path, name: str, dtype: torch.dtype, device: torch.device) -> LoadedModel:
     """Load an HF-style directory (a real checkpoint or a converted GGUF)."""
-    _, tokenizer, blueprint = _read_dir(model_dir, name)
+    hf_config, tokenizer, blueprint = _read_dir(model_dir, name)
     files = safetensors_files(model_dir)
     model = blueprint.create(dtype, device)
     try:
-        model.load_weights(iter_safetensors(files))
+        model.load_weights(text_weights(hf_config, iter_safetensors(files)))
     except (ValueError, RuntimeError) as exc:  # missing/unknown tensors, shape mismatches
         reason = str(exc).splitlines()[0]
         raise ModelLoadError(f"cannot load weights from {model_dir}: {reason}") from None

@@ -6,7 +6,7 @@ Both checkpoint formats end here: a GGUF file is first converted to the same HF-
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,12 +54,41 @@ class ModelBlueprint:
 
 
 def text_config(hf: Mapping[str, Any]) -> dict[str, Any]:
-    """The decoder's config: ``text_config`` of a multimodal Gemma 3 config, else ``hf``."""
+    """The decoder's config: ``text_config`` of a multimodal Gemma 3 or Idefics3 (SmolVLM)
+    config, else ``hf``."""
     if hf.get("model_type") == "gemma3" and isinstance(hf.get("text_config"), Mapping):
         merged = dict(hf["text_config"])
         merged.setdefault("model_type", "gemma3_text")
         return merged
+    if hf.get("model_type") == "idefics3" and isinstance(hf.get("text_config"), Mapping):
+        merged = dict(hf["text_config"])
+        merged.setdefault("model_type", "llama")
+        # Idefics3ForConditionalGeneration ties lm_head by the top-level flag.
+        merged["tie_word_embeddings"] = bool(hf.get("tie_word_embeddings", False))
+        return merged
     return dict(hf)
+
+
+# Checkpoint name prefix of the decoder in a multimodal model_type, and prefixes of the
+# tensors the decoder does not hold (vision tower, connector).
+_TEXT_PREFIXES = {"idefics3": ("model.text_model.", ("model.vision_model.", "model.connector."))}
+
+
+def text_weights(
+    hf: Mapping[str, Any], weights: Iterable[tuple[str, torch.Tensor]]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The decoder's tensors under its own names: for idefics3 ``model.text_model.X`` ->
+    ``model.X``, vision and connector tensors skipped; other model types unchanged."""
+    if hf.get("model_type") not in _TEXT_PREFIXES:
+        yield from weights
+        return
+    text_prefix, skipped = _TEXT_PREFIXES[hf["model_type"]]
+    for name, tensor in weights:
+        if name.startswith(skipped):
+            continue
+        if name.startswith(text_prefix):
+            name = "model." + name[len(text_prefix) :]
+        yield name, tensor
 
 
 def architecture_of(hf: Mapping[str, Any]) -> str:
