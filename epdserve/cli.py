@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Callable, Sequence
 
@@ -107,10 +108,20 @@ def _worker(ns: argparse.Namespace) -> int:
     from epdserve.cluster.worker import WorkerOptions, run_worker
 
     cores = tuple(int(c) for c in ns.cores.split(",")) if ns.cores else ()
+    if ns.role == "encode":
+        from epdserve.cluster.encode_worker import EncodeWorkerOptions, run_encode_worker
+
+        return run_encode_worker(EncodeWorkerOptions(
+            router=ns.router, worker_id=ns.worker_id or f"encode-{os.getpid()}", model=ns.model,
+            vision=ns.vision, dtype=ns.dtype, device=ns.device, seed=ns.seed, cores=cores,
+            max_batch_images=ns.encode_batch_images, cache_bytes=int(ns.encoder_cache_mb * (1 << 20)),
+            die_with_parent=ns.die_with_parent,
+        ))
     opts = WorkerOptions(
         role=ns.role, router=ns.router, cores=cores, kv_transport=ns.kv_transport, kv_host=ns.kv_host,
         layerwise=not ns.no_layerwise, die_with_parent=ns.die_with_parent,
-        stall_kv_transfers=ns.debug_stall_kv_transfers,
+        stall_kv_transfers=ns.debug_stall_kv_transfers, vision=ns.vision, embed_slab_mb=ns.embed_slab_mb,
+        max_batch_images=ns.encode_batch_images, encoder_cache_mb=ns.encoder_cache_mb,
         **({"worker_id": ns.worker_id} if ns.worker_id else {}),
     )
     return run_worker(opts, engine_args_from(ns))
@@ -142,13 +153,17 @@ def build_parser() -> argparse.ArgumentParser:
     srv.set_defaults(func=_serve)
 
     wrk = sub.add_parser("worker", help="a worker that registers with a running router")
-    wrk.add_argument("--role", required=True, choices=("colocated", "prefill", "decode"))
+    wrk.add_argument("--role", required=True, choices=("colocated", "prefill", "decode", "encode"))
     wrk.add_argument("--router", required=True, help="the router's worker socket, tcp://HOST:PORT")
     wrk.add_argument("--worker-id", default=None)
     wrk.add_argument("--cores", default="", help="comma-separated CPU cores to pin to")
     wrk.add_argument("--kv-transport", choices=("shm", "tcp"), default="shm", help="decode: how prefill reaches its KV pages")
     wrk.add_argument("--kv-host", default="127.0.0.1", help="decode + tcp: address of the KV listener")
     wrk.add_argument("--no-layerwise", action="store_true", help="prefill: push KV in bulk after prefill")
+    wrk.add_argument("--vision", default=None, help="take images with this vision tower ('default', 'smolvlm-256m'; a VLM checkpoint brings its own)")
+    wrk.add_argument("--embed-slab-mb", type=float, default=0.0, help="prefill/colocated: embedding slab for encode workers (0: encode in-process)")
+    wrk.add_argument("--encode-batch-images", type=int, default=1, help="images per encoder forward pass")
+    wrk.add_argument("--encoder-cache-mb", type=float, default=256.0, help="content-hash embedding cache")
     wrk.add_argument("--die-with-parent", action="store_true", help=argparse.SUPPRESS)
     wrk.add_argument("--debug-stall-kv-transfers", action="store_true", help=argparse.SUPPRESS)
     add_engine_args(wrk)
@@ -157,6 +172,10 @@ def build_parser() -> argparse.ArgumentParser:
     from epdserve.bench.cli import add_bench_parser
 
     add_bench_parser(sub)
+
+    from epdserve.planner.profile_cli import add_profile_parser
+
+    add_profile_parser(sub, add_engine_args)
     return parser
 
 

@@ -41,8 +41,39 @@ class EventType(enum.Enum):
     PREEMPTED = "preempted"
     PREFILL_START = "prefill_start"
     PREFILL_END = "prefill_end"
+    ENCODE_START = "encode_start"
+    ENCODE_END = "encode_end"
     FIRST_TOKEN = "first_token"
     FINISHED = "finished"
+
+
+@dataclass
+class MMInput:
+    """One image of a prompt: where its tokens sit and whether its embedding has arrived.
+
+    Prompt positions ``offset .. offset + length`` stand for the image; ``num_embeds`` of them
+    (those holding the model's image token id) take the encoder's rows, in order. ``embeds``
+    is the worker's handle on those rows (a tensor view of a slab, or the in-process encoder's
+    output); this module never looks inside it.
+    """
+
+    offset: int
+    length: int
+    num_embeds: int
+    content_hash: str
+    # Span-relative positions of the image tokens, ascending; None: every position of the span.
+    embed_positions: list[int] | None = None
+    is_ready: bool = False
+    embeds: object = None
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+    def cache_key(self) -> int:
+        """A negative id standing for this image's tokens in prefix-cache hashes: equal
+        placeholders of different images must not hit each other's blocks."""
+        return -1 - int(self.content_hash[:15], 16)
 
 
 @dataclass
@@ -60,12 +91,18 @@ class Request:
     hold_kv_for_transfer: bool = False
     kv_target: str | None = None  # decode worker that receives this request's KV
     kv_target_block_ids: list[list[int]] = field(default_factory=list)  # its blocks, per group
+    # Images in the prompt, in prompt order (no overlaps); see ``num_ready_tokens``.
+    mm_inputs: list[MMInput] = field(default_factory=list)
+    # Prefill may compute the tokens before an image whose embedding has not arrived
+    # (pipelined); False: nothing until every image's embedding is there.
+    is_mm_pipelined: bool = True
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache on the last admission
     num_preemptions: int = 0
     events: list[tuple[EventType, float]] = field(default_factory=list)
+    _hash_prompt_ids: list[int] | None = field(default=None, repr=False)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -78,6 +115,33 @@ class Request:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    def num_ready_tokens(self, num_computed: int = 0) -> int:
+        """Tokens whose inputs are all available: the whole sequence, or up to the first
+        image past ``num_computed`` whose embedding has not arrived::
+
+            | text | image 0 (ready) | text | image 1 (pending) | text |
+            |<------------- ready ------------>|
+
+        Not pipelined: 0 while any such image is pending.
+        """
+        for mm in self.mm_inputs:
+            if not mm.is_ready and mm.end > num_computed:
+                return mm.offset if self.is_mm_pipelined else 0
+        return self.num_tokens
+
+    @property
+    def hash_token_ids(self) -> list[int]:
+        """The ids that name this request's blocks in the prefix cache: its tokens, with each
+        image's positions replaced by that image's content key."""
+        if not self.mm_inputs:
+            return self.prompt_token_ids + self.output_token_ids
+        if self._hash_prompt_ids is None:
+            ids = list(self.prompt_token_ids)
+            for mm in self.mm_inputs:
+                ids[mm.offset : mm.end] = [mm.cache_key()] * mm.length
+            self._hash_prompt_ids = ids
+        return self._hash_prompt_ids + self.output_token_ids
 
     def token_ids_slice(self, start: int, end: int) -> list[int]:
         num_prompt = len(self.prompt_token_ids)

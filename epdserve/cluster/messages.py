@@ -33,9 +33,19 @@ class KVEndpoint(msgspec.Struct, omit_defaults=True):
     layer_shapes: list[tuple[int, int]] = []
 
 
+class SlabEndpoint(msgspec.Struct, omit_defaults=True):
+    """A consumer's embedding slab (registered at start-up): rows of ``hidden_size`` elements."""
+
+    transport: str  # "shm"
+    shm_name: str = ""
+    num_rows: int = 0
+    hidden_size: int = 0
+    dtype: str = ""
+
+
 class Register(Msg):
     worker_id: str
-    role: str  # "colocated" | "prefill" | "decode"
+    role: str  # "colocated" | "prefill" | "decode" | "encode"
     pid: int
     host: str
     model_name: str
@@ -43,6 +53,8 @@ class Register(Msg):
     num_kv_blocks: int
     block_size: int
     kv_endpoint: KVEndpoint | None = None
+    slab: SlabEndpoint | None = None  # consumer: where encode workers write its embeddings
+    can_encode: bool = False  # has a vision encoder in-process (takes images inline)
 
 
 class Load(msgspec.Struct):
@@ -54,6 +66,8 @@ class Load(msgspec.Struct):
     num_transferring: int = 0  # prefill: requests holding blocks while their KV leaves
     kv_bytes_sent: int = 0
     kv_seconds_sent: float = 0.0
+    num_encoder_cache_hits: int = 0  # encode: images served from the embedding cache
+    num_encoder_cache_bytes: int = 0
 
 
 class Heartbeat(Msg):
@@ -83,6 +97,11 @@ class Timing(msgspec.Struct, omit_defaults=True):
     decode_start: float = 0.0
     finished: float = 0.0
     num_cached_tokens: int = 0
+    encode_start: float = 0.0  # first image's encode began
+    encode_end: float = 0.0  # last image's embedding is in the consumer's memory
+    embed_transfer_s: float = 0.0  # time spent writing embeddings into slabs (summed)
+    num_images: int = 0
+    num_encoder_cache_hits: int = 0
 
 
 class TokenOutput(msgspec.Struct, omit_defaults=True):
@@ -97,6 +116,9 @@ class TokenOutput(msgspec.Struct, omit_defaults=True):
     logprobs: list[TokenLogprob] = []
     prefill_start: float = 0.0
     prefill_end: float = 0.0
+    encode_start: float = 0.0  # in-process encoder (no encode workers)
+    encode_end: float = 0.0
+    num_encoder_cache_hits: int = 0
 
 
 class Outputs(Msg):
@@ -131,7 +153,32 @@ class RequestFailed(Msg):
     message: str
 
 
+class EncodeDone(Msg):
+    """Encode worker: one image's embedding is in the consumer's slab (or failed)."""
+
+    request_id: str
+    image_index: int
+    ok: bool
+    is_cache_hit: bool = False
+    encode_start: float = 0.0
+    encode_end: float = 0.0
+    write_s: float = 0.0  # copying the rows into the slab
+    num_bytes: int = 0
+    reason: str = ""
+
+
 # -- router -> worker --------------------------------------------------------------------
+class ImageRef(msgspec.Struct, omit_defaults=True):
+    """One image of a submitted prompt: its token span and where its embedding comes from."""
+
+    offset: int  # prompt position of the span's first token
+    length: int  # tokens in the span
+    num_embeds: int  # of which image tokens (= embedding rows)
+    content_hash: str
+    slab_offset: int = -1  # first row in the consumer's slab; -1: encode in-process from ``data``
+    data: bytes = b""  # the image file (in-process encoding only)
+
+
 class Submit(Msg):
     """Run a request to completion on a colocated worker (or prefill-only on a prefill one)."""
 
@@ -141,6 +188,34 @@ class Submit(Msg):
     # P/D: where the KV goes (decode worker id, its block ids per group)
     kv_target: str = ""
     kv_target_block_ids: list[list[int]] = []
+    images: list[ImageRef] = []
+    mm_pipelined: bool = True  # prefill may start before every image's embedding is there
+
+
+class EncodeImage(Msg):
+    """Router -> encode worker: embed one image into ``target``'s slab at ``slab_offset``."""
+
+    request_id: str
+    image_index: int
+    content_hash: str
+    data: bytes  # the image file as the client sent it (PNG/JPEG/WebP)
+    target: str  # consumer worker id
+    slab_offset: int
+    num_rows: int
+
+
+class EmbeddingReady(Msg):
+    """Router -> consumer: image ``image_index`` of the request is in the slab."""
+
+    request_id: str
+    image_index: int
+
+
+class SlabUp(Msg):
+    """Router -> encode worker: a consumer's slab to map."""
+
+    worker_id: str
+    slab: SlabEndpoint
 
 
 class Reserve(Msg):
@@ -173,8 +248,8 @@ class Shutdown(Msg):
 
 
 Message = Union[
-    Register, Heartbeat, Outputs, Reserved, TransferDone, RequestFailed,
-    Submit, Reserve, StartDecode, Abort, PeerUp, PeerDown, Shutdown,
+    Register, Heartbeat, Outputs, Reserved, TransferDone, RequestFailed, EncodeDone,
+    Submit, Reserve, StartDecode, Abort, PeerUp, PeerDown, Shutdown, EncodeImage, EmbeddingReady, SlabUp,
 ]
 
 _encoder = msgspec.msgpack.Encoder()

@@ -22,7 +22,7 @@ from epdserve.engine.sampler import TokenLogprobs
 from epdserve.engine.scheduler import Scheduler
 from epdserve.errors import InvalidRequestError
 from epdserve.models.loader import LoadedModel, load_model
-from epdserve.request import EventType, Request, RequestStatus
+from epdserve.request import EventType, MMInput, Request, RequestStatus
 from epdserve.sampling import SamplingParams
 from epdserve.transfer.connector import TransferStats
 
@@ -96,6 +96,8 @@ class LLMEngine:
         )
         self._sequences: dict[str, _Sequence] = {}
         self._children: dict[str, list[str]] = {}
+        self._mm_inputs: dict[str, list[MMInput]] = {}  # by the id the request was added with
+        self.last_num_scheduled = 0  # requests the last step ran (0: all waiting, e.g. for images)
         self._ids = itertools.count()
 
     @property
@@ -131,9 +133,18 @@ class LLMEngine:
             )
 
     def add_request(
-        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        mm_inputs: list[MMInput] | None = None,
+        is_mm_pipelined: bool = True,
     ) -> str:
+        """``mm_inputs``: the prompt's images (spans and embeddings, see ``MMInput``); an image
+        whose embedding is not ready holds back the tokens from its span on
+        (``mark_image_ready``)."""
         self.validate_prompt(prompt_token_ids)
+        _check_mm_inputs(mm_inputs or [], len(prompt_token_ids))
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self._children:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
@@ -145,9 +156,30 @@ class LLMEngine:
             child_id = request_id if params.n == 1 else f"{request_id}#{index}"
             leader = child_ids[0] if child_ids else None
             self._add_sequence(request_id, child_id, index, prompt_token_ids, child_params, leader)
+            request = self._sequences[child_id].request
+            request.mm_inputs = mm_inputs or []  # one list: siblings see the same readiness
+            request.is_mm_pipelined = is_mm_pipelined
             child_ids.append(child_id)
         self._children[request_id] = child_ids
+        if mm_inputs:
+            self._mm_inputs[request_id] = mm_inputs
         return request_id
+
+    def mm_inputs(self, request_id: str) -> list[MMInput] | None:
+        """The images of a live request (by the id it was added with), or None."""
+        return self._mm_inputs.get(request_id)
+
+    def mark_image_ready(self, request_id: str, image_index: int, embeds: object = None) -> bool:
+        """Image ``image_index``'s embedding is in place (``embeds``: its rows, unless already
+        set); False when the request is gone."""
+        mm_inputs = self._mm_inputs.get(request_id)
+        if mm_inputs is None or not 0 <= image_index < len(mm_inputs):
+            return False
+        mm = mm_inputs[image_index]
+        if embeds is not None:
+            mm.embeds = embeds
+        mm.is_ready = mm.embeds is not None
+        return mm.is_ready
 
     def _add_sequence(
         self,
@@ -174,6 +206,7 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> None:
         """Stop a request wherever it is (queued, running, reserved, transferring)."""
+        self._mm_inputs.pop(request_id, None)
         child_ids = self._children.pop(request_id, None) or [request_id]
         for child_id in child_ids:
             self.scheduler.finish_request(child_id, RequestStatus.FINISHED_ABORTED)
@@ -190,13 +223,20 @@ class LLMEngine:
         params: SamplingParams,
         kv_target: str,
         kv_target_block_ids: list[list[int]],
+        mm_inputs: list[MMInput] | None = None,
+        is_mm_pipelined: bool = True,
     ) -> None:
         """Prefill worker: compute the prompt, sample the first token, push the KV to
         ``kv_target``'s blocks; the blocks stay held until the transfer reports done."""
+        _check_mm_inputs(mm_inputs or [], len(prompt_token_ids))
         prefill_params = replace(params, n=1, max_tokens=1, min_tokens=min(params.min_tokens, 1))
         self._add_sequence(request_id, request_id, 0, prompt_token_ids, prefill_params)
         self._children[request_id] = [request_id]
         request = self._sequences[request_id].request
+        if mm_inputs:
+            request.mm_inputs = mm_inputs
+            request.is_mm_pipelined = is_mm_pipelined
+            self._mm_inputs[request_id] = mm_inputs
         request.hold_kv_for_transfer = True
         request.kv_target = kv_target
         request.kv_target_block_ids = kv_target_block_ids
@@ -235,6 +275,7 @@ class LLMEngine:
     # -- the loop ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         plan = self.scheduler.schedule()
+        self.last_num_scheduled = len(plan.scheduled)
         if plan.is_empty:
             return []
         for entry in plan.scheduled:
@@ -282,6 +323,7 @@ class LLMEngine:
         siblings = self._children.get(seq.parent_id, [])
         if all(s not in self._sequences for s in siblings):
             self._children.pop(seq.parent_id, None)
+            self._mm_inputs.pop(seq.parent_id, None)
 
     def generate(
         self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
@@ -300,3 +342,13 @@ class LLMEngine:
                 c.num_prompt_tokens = out.num_prompt_tokens
                 c.num_cached_tokens = out.num_cached_tokens
         return [results[rid] for rid in ids]
+
+
+def _check_mm_inputs(mm_inputs: list[MMInput], num_prompt_tokens: int) -> None:
+    end = 0
+    for mm in mm_inputs:
+        if mm.offset < end or mm.end > num_prompt_tokens or mm.num_embeds <= 0:
+            raise InvalidRequestError(
+                f"image span {mm.offset}..{mm.end} overlaps another or lies outside the prompt"
+            )
+        end = mm.end

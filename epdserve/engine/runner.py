@@ -8,6 +8,7 @@ attention masks out.
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
 import torch
@@ -81,8 +82,9 @@ class ModelRunner:
         if self.pusher is not None:
             self.pusher.begin_step(self._push_items(entries))
             meta.on_layer_written = self.pusher.save_layer
+        embeds = self._input_embeds(entries, ids_t)
         with forward_context(meta):
-            hidden = self.model(ids_t, pos_t)
+            hidden = self.model(ids_t, pos_t) if embeds is None else self.model(ids_t, pos_t, input_embeds=embeds)
         if self.pusher is not None:
             self.pusher.end_step()
 
@@ -102,6 +104,41 @@ class ModelRunner:
                 if lp is not None:
                     logprobs[e.request.request_id] = lp
         return RunnerOutput(sampled, logprobs, len(input_ids))
+
+    def _input_embeds(self, entries: list[ScheduledRequest], ids_t: torch.Tensor) -> torch.Tensor | None:
+        """Token embeddings with image positions taken from their encoder rows; None when the
+        step has no image token (the model embeds the ids itself)."""
+        embeds: torch.Tensor | None = None
+        base = 0  # batch row of the entry's first token
+        for e in entries:
+            start, end = e.start_pos, e.start_pos + e.num_new_tokens
+            for mm in e.request.mm_inputs:
+                if mm.end <= start or mm.offset >= end:
+                    continue
+                # Image tokens of this span inside [start, end): rows first..last of its embedding.
+                lo, hi = max(start, mm.offset) - mm.offset, min(end, mm.end) - mm.offset
+                positions = mm.embed_positions
+                if positions is None:
+                    first, last = lo, hi
+                else:
+                    first, last = bisect.bisect_left(positions, lo), bisect.bisect_left(positions, hi)
+                if first == last:
+                    continue
+                if mm.embeds is None:
+                    raise RuntimeError(f"image embedding of {e.request.request_id} used before it arrived")
+                if embeds is None:
+                    embeds = self.model.embed(ids_t)
+                rows = mm.embeds[first:last]
+                if positions is None:
+                    dst = base + mm.offset + lo - start
+                    embeds[dst : dst + (last - first)] = rows.to(embeds.dtype)
+                else:
+                    index = torch.tensor(
+                        [base + mm.offset + p - start for p in positions[first:last]], device=embeds.device
+                    )
+                    embeds.index_copy_(0, index, rows.to(device=embeds.device, dtype=embeds.dtype))
+            base += e.num_new_tokens
+        return embeds
 
     def _metadata(
         self, entries: list[ScheduledRequest], num_decode: int

@@ -174,10 +174,14 @@ class Scheduler:
             if leader is not None and self._is_prompt_pending(leader):
                 blocked.append(self.waiting.popleft())
                 continue
-            hit = self.kv_cache.find_cached_prefix(request.request_id, request.all_token_ids)
+            hit = self.kv_cache.find_cached_prefix(request.request_id, request.hash_token_ids)
             num_computed = hit.num_tokens
             num_new = self._num_tokens_to_compute(request, budget, num_computed)
             if num_new == 0:
+                if num_computed >= request.num_ready_tokens(num_computed):
+                    # Waiting for an image's embedding, not for room: let later requests pass.
+                    blocked.append(self.waiting.popleft())
+                    continue
                 break
             if not self.kv_cache.allocate(request.request_id, num_computed, num_new, hit):
                 break
@@ -198,6 +202,11 @@ class Scheduler:
     def _num_tokens_to_compute(self, request: Request, budget: int, num_computed: int | None = None) -> int:
         computed = request.num_computed_tokens if num_computed is None else num_computed
         remaining = request.num_tokens - computed
+        num_ready = request.num_ready_tokens(computed) - computed  # images still encoding end it early
+        if num_ready < remaining:
+            if num_ready <= 0 or not self.config.enable_chunked_prefill:
+                return 0
+            return min(num_ready, budget)
         if remaining <= budget:
             return remaining
         return budget if self.config.enable_chunked_prefill else 0
@@ -231,7 +240,7 @@ class Scheduler:
                 )
             request.num_computed_tokens += entry.num_new_tokens
             self.kv_cache.cache_computed_blocks(
-                request.request_id, request.all_token_ids, request.num_computed_tokens
+                request.request_id, request.hash_token_ids, request.num_computed_tokens
             )
             token_id = sampled_token_ids.get(request.request_id)
             if token_id is None:

@@ -24,8 +24,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from epdserve.cluster import messages as m
 from epdserve.errors import EpdserveError
+from epdserve.models.multimodal import MultimodalSpec
 from epdserve.models.tokenizer import Tokenizer
 from epdserve.router.core import Overloaded, RequestHandle, Router
+from epdserve.router.images import ImageInput, ImageLimits, build_chat_prompt
 from epdserve.router.protocol import ERROR_TYPES, ChatCompletionRequest, CompletionRequest, error_body
 from epdserve.router.timing import timing_json
 
@@ -36,6 +38,8 @@ class ServedModel:
     tokenizer: Tokenizer
     max_model_len: int
     vocab_size: int
+    mm_spec: MultimodalSpec | None = None  # None: text only
+    image_limits: ImageLimits = ImageLimits()
 
 
 def error_response(status: int, message: str, retry_after: int | None = None, param: str | None = None) -> JSONResponse:
@@ -116,8 +120,8 @@ def create_app(router: Router, served: ServedModel, api_key: str | None = None) 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
         try:
-            text = served.tokenizer.apply_chat_template(body.text_messages())
-            prompt_ids = served.tokenizer.encode(text, add_special_tokens=False)
+            prompt = await build_chat_prompt(body.chat_messages(), served.tokenizer, served.mm_spec, served.image_limits)
+            prompt_ids, images = prompt.token_ids, prompt.images
         except EpdserveError as e:
             return error_response(400, str(e), param="messages")
         except Exception as e:  # a chat template that raises on these messages
@@ -125,9 +129,10 @@ def create_app(router: Router, served: ServedModel, api_key: str | None = None) 
         top = (body.top_logprobs or 0) if body.logprobs else None
         if body.max_completion_tokens is not None and body.max_tokens is None:
             body.max_tokens = body.max_completion_tokens
-        return await _serve(body, prompt_ids, top, request, chat=True)
+        return await _serve(body, prompt_ids, top, request, chat=True, images=images)
 
-    async def _serve(body, prompt_ids: list[int], logprobs: int | None, request: Request, chat: bool) -> Response:  # noqa: ANN001
+    async def _serve(body, prompt_ids: list[int], logprobs: int | None, request: Request, chat: bool,  # noqa: ANN001
+                     images: list[ImageInput] | None = None) -> Response:
         try:
             _check_model(body.model)
             max_tokens = _check_lengths(prompt_ids, body.max_tokens)
@@ -138,7 +143,7 @@ def create_app(router: Router, served: ServedModel, api_key: str | None = None) 
             return error_response(400, str(e))
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         try:
-            handle = await router.open(request_id, prompt_ids, params)
+            handle = await router.open(request_id, prompt_ids, params, images)
         except Overloaded as e:
             return error_response(e.status, str(e), retry_after=e.retry_after)
         fmt = _Formatter(request_id, served.names[0], chat, served.tokenizer, body.return_timing, params.n)

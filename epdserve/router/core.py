@@ -27,6 +27,8 @@ import zmq.asyncio
 from epdserve.cluster import messages as m
 from epdserve.cluster.worker import sampling_to_dict
 from epdserve.errors import EpdserveError
+from epdserve.router.encode_stage import EncodeStage, PathImages
+from epdserve.router.images import ImageInput
 from epdserve.router.metrics import RouterMetrics
 from epdserve.router.workers import WorkerInfo, WorkerRegistry
 from epdserve.sampling import SamplingParams
@@ -51,6 +53,7 @@ class RouterConfig:
     transfer_policy: str = "fail"  # "fail" | "recompute" (decode worker computes the prompt)
     max_pending: int = 512  # requests in the router at once; beyond: 429
     max_waiting_per_worker: int = 256  # queued at one worker; beyond: 429
+    encode_pipelined: bool = True  # prefill may start before all of a request's images are encoded
 
     def __post_init__(self) -> None:
         if self.transfer_policy not in ("fail", "recompute"):
@@ -106,6 +109,7 @@ class Path:
     transfer_done: bool = False
     transfer_timer: asyncio.TimerHandle | None = None
     done: bool = False
+    mm: PathImages | None = None  # images: slab space and encode jobs
 
 
 class Router:
@@ -127,6 +131,7 @@ class Router:
         self._tasks: list[asyncio.Task] = []
         self._registered = asyncio.Event()
         self._pidfds: dict[str, int] = {}
+        self.encode = EncodeStage(self, self.config.encode_pipelined)
 
     # -- lifecycle -----------------------------------------------------------------------
     async def start(self) -> None:
@@ -194,7 +199,11 @@ class Router:
         return None
 
     async def open(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        images: list[ImageInput] | None = None,
     ) -> RequestHandle:
         """Admit a request and start it; raises Overloaded (429/503) when it cannot run now."""
         if len(self.handles) >= self.config.max_pending:
@@ -204,19 +213,22 @@ class Router:
         if mode is None:
             self.metrics.rejected.labels("no_workers").inc()
             raise Overloaded("no workers are available", 503, retry_after=5)
+        images = images or []
         handle = RequestHandle(request_id, params.n, len(prompt_token_ids))
         handle.timing.arrived = time.time()
+        handle.timing.num_images = len(images)
         self.handles[request_id] = handle
         try:
             if mode == "colocated":
-                self._start_colocated(handle, prompt_token_ids, params)
+                self._start_colocated(handle, prompt_token_ids, params, images)
             else:
-                await self._start_pd(handle, prompt_token_ids, params)
+                await self._start_pd(handle, prompt_token_ids, params, images)
         except Overloaded:
             self._drop_handle(handle)
             raise
         handle.timing.admitted = time.time()
         self.metrics.prompt_tokens.inc(len(prompt_token_ids) * params.n)
+        self.metrics.images.inc(len(images))
         return handle
 
     def _check_queue(self, worker: WorkerInfo) -> None:
@@ -224,16 +236,23 @@ class Router:
             self.metrics.rejected.labels("worker_queue_full").inc()
             raise Overloaded(f"worker queues are full ({self.config.max_waiting_per_worker})", 429)
 
-    def _start_colocated(self, handle: RequestHandle, prompt: list[int], params: SamplingParams) -> None:
+    def _start_colocated(
+        self, handle: RequestHandle, prompt: list[int], params: SamplingParams, images: list[ImageInput]
+    ) -> None:
         worker = self.registry.pick("colocated")
         assert worker is not None
         self._check_queue(worker)
         path = Path(handle.request_id, handle, None, prompt, params, "colocated", phase="running",
                     colocated=worker.worker_id)
+        refs = self.encode.place(path, worker, images) if images else []
         self._add_path(path, worker)
-        self._post(worker.worker_id, m.Submit(path.path_id, prompt, sampling_to_dict(params)))
+        self._post(worker.worker_id, m.Submit(path.path_id, prompt, sampling_to_dict(params), images=refs,
+                                              mm_pipelined=self.config.encode_pipelined))
+        self.encode.dispatch(path)
 
-    async def _start_pd(self, handle: RequestHandle, prompt: list[int], params: SamplingParams) -> None:
+    async def _start_pd(
+        self, handle: RequestHandle, prompt: list[int], params: SamplingParams, images: list[ImageInput]
+    ) -> None:
         paths = []
         for index in range(params.n):
             seq_params = params if params.n == 1 else replace(
@@ -254,6 +273,12 @@ class Router:
                 for p in paths:
                     self._abort_path(p)
                 raise Overloaded("no prefill workers are available", 503, retry_after=5)
+            try:
+                refs = self.encode.place(path, prefill, images) if images else []
+            except Overloaded:
+                for p in paths:
+                    self._abort_path(p)
+                raise
             path.prefill = prefill.worker_id
             path.phase = "prefilling"
             prefill.request_ids.add(path.path_id)
@@ -261,7 +286,9 @@ class Router:
             self._post(prefill.worker_id, m.Submit(
                 path.path_id, prompt, sampling_to_dict(path.params), kv_target=path.decode or "",
                 kv_target_block_ids=path.reserved.result() if path.reserved else [],
+                images=refs, mm_pipelined=self.config.encode_pipelined,
             ))
+            self.encode.dispatch(path)
 
     async def _reserve(self, path: Path) -> None:
         decode = self.registry.pick("decode")
@@ -305,6 +332,7 @@ class Router:
         if path.done:
             return
         path.done = True
+        self.encode.abort(path)
         if path.transfer_timer is not None:
             path.transfer_timer.cancel()
         if path.mode == "colocated":
@@ -334,9 +362,14 @@ class Router:
         worker = self.registry.get(worker_id)
         if worker is not None:
             worker.request_ids.discard(path.path_id)
-        if all(
-            path.path_id not in w.request_ids
-            for w in self.registry.workers.values()
+        if path.mm is not None and worker_id == path.mm.consumer:
+            self.encode.on_consumer_done(path)
+        self.forget_if_idle(path)
+
+    def forget_if_idle(self, path: Path) -> None:
+        """Drop the path from the index once no worker, slab region or encode job holds it."""
+        if not self.encode.is_holding(path) and all(
+            path.path_id not in w.request_ids for w in self.registry.workers.values()
         ):
             self.paths.pop(path.path_id, None)
 
@@ -389,6 +422,8 @@ class Router:
             self._on_reserved(msg)
         elif isinstance(msg, m.TransferDone):
             self._on_transfer_done(msg)
+        elif isinstance(msg, m.EncodeDone):
+            self.encode.on_encode_done(sender, msg)
         elif isinstance(msg, m.RequestFailed):
             path = self.paths.get(msg.request_id)
             if path is not None:
@@ -399,8 +434,9 @@ class Router:
         if old is not None and old.is_ready:
             self._mark_dead(msg.worker_id, "worker re-registered")
         info = WorkerInfo(msg.worker_id, msg.role, msg.pid, msg.host, msg.model_name, msg.max_model_len,
-                          msg.num_kv_blocks, msg.block_size, msg.kv_endpoint)
+                          msg.num_kv_blocks, msg.block_size, msg.kv_endpoint, can_encode=msg.can_encode)
         self.registry.add(info)
+        self.encode.on_register(msg)
         self.metrics.worker_up.labels(msg.worker_id, msg.role).set(1)
         if msg.role == "decode" and msg.kv_endpoint is not None:
             for prefill in self.registry.ready("prefill"):
@@ -456,6 +492,7 @@ class Router:
 
     def _on_first_token(self, path: Path, out: m.TokenOutput) -> m.TokenOutput:
         timing = path.handle.timing
+        self._observe_inline_encode(timing, out)
         timing.prefill_start = timing.prefill_start or out.prefill_start
         timing.prefill_end = timing.prefill_end or out.prefill_end
         timing.num_cached_tokens = out.num_cached_tokens
@@ -535,6 +572,7 @@ class Router:
         if not out.token_ids:
             return
         if handle.timing.first_token == 0.0:
+            self._observe_inline_encode(handle.timing, out)
             handle.timing.first_token = now
             self.metrics.ttft.observe(now - handle.timing.arrived)
             if handle.timing.prefill_start or out.prefill_start:
@@ -546,6 +584,12 @@ class Router:
             self.metrics.itl.observe(now - handle.last_token_time)
         handle.last_token_time = now
         self.metrics.generation_tokens.inc(len(out.token_ids))
+
+    def _observe_inline_encode(self, timing: m.Timing, out: m.TokenOutput) -> None:
+        """A consumer that encoded the images itself reports when."""
+        if out.encode_start and not timing.encode_start:
+            timing.encode_start, timing.encode_end = out.encode_start, out.encode_end
+            timing.num_encoder_cache_hits = out.num_encoder_cache_hits
 
     def _complete(self, handle: RequestHandle, now: float) -> None:
         handle.timing.finished = now
@@ -584,6 +628,7 @@ class Router:
                 path.done = True
                 continue
             self._fail(path, f"{worker.role} worker {worker_id} failed while serving this request")
+        self.encode.on_worker_dead(worker)
 
 
 class _ReservationRefused(Exception):

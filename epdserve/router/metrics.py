@@ -24,6 +24,11 @@ class RouterMetrics:
         self.kv_exposed = Counter("epdserve_kv_transfer_exposed_seconds_total", "KV transfer time not hidden behind prefill", registry=r)
         self.prompt_tokens = Counter("epdserve_prompt_tokens_total", "Prompt tokens", registry=r)
         self.generation_tokens = Counter("epdserve_generation_tokens_total", "Generated tokens", registry=r)
+        self.images = Counter("epdserve_images_total", "Images in admitted requests", registry=r)
+        self.embedding_bytes = Counter("epdserve_embedding_transfer_bytes_total", "Embedding bytes moved encode -> prefill", registry=r)
+        self.encoder_cache_hits = Counter("epdserve_encoder_cache_hits_total", "Images served from an encoder's cache", registry=r)
+        self.encode_time = Histogram("epdserve_image_encode_seconds", "Encode start to end, per image", buckets=_LATENCY_BUCKETS, registry=r)
+        self.slab_rows_free = Gauge("epdserve_worker_embedding_slab_rows_free", "Free rows of a consumer's embedding slab", ["worker"], registry=r)
         labels = ["worker", "role"]
         self.blocks_used = Gauge("epdserve_worker_kv_blocks_used", "KV blocks in use", labels, registry=r)
         self.blocks_free = Gauge("epdserve_worker_kv_blocks_free", "KV blocks free", labels, registry=r)

@@ -87,21 +87,9 @@ class ChatCompletionRequest(_Common):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
 
-    def text_messages(self) -> list[dict[str, str]]:
-        out = []
-        for message in self.messages:
-            content = message.content
-            if isinstance(content, list):
-                parts = []
-                for part in content:
-                    if part.get("type") != "text":
-                        raise InvalidRequestError(
-                            f"content part of type {part.get('type')!r} is not supported by this model"
-                        )
-                    parts.append(str(part.get("text", "")))
-                content = "".join(parts)
-            out.append({"role": message.role, "content": content or ""})
-        return out
+    def chat_messages(self) -> list[dict[str, Any]]:
+        """The messages as plain dicts; list contents keep their parts (text, image_url)."""
+        return [{"role": message.role, "content": message.content} for message in self.messages]
 
 
 def error_body(message: str, err_type: str, code: int, param: str | None = None) -> dict:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import os
 import socket
@@ -23,6 +24,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--prefill-workers", type=int, default=None, help="default 1 (0 with --colocated-workers)")
     g.add_argument("--decode-workers", type=int, default=None, help="default 1 (0 with --colocated-workers)")
     g.add_argument("--colocated-workers", type=int, default=0, help="workers that prefill and decode (chunked)")
+    g.add_argument("--encode-workers", type=int, default=0, help="vision encode workers in front of prefill / colocated workers")
     g.add_argument("--cores-per-worker", type=int, default=1)
     g.add_argument("--kv-transport", choices=("shm", "tcp"), default="shm")
     g.add_argument("--no-layerwise", action="store_true", help="push KV in bulk after prefill, not per layer")
@@ -33,6 +35,17 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--served-model-name", action="append", default=None, help="model names clients may use")
     g.add_argument("--startup-timeout", type=float, default=300.0)
     g.add_argument("--worker-log-dir", default=None, help="write each worker's output to DIR/<id>.log")
+    v = parser.add_argument_group("images")
+    v.add_argument("--vision", default=None,
+                   help="take images: the vision tower ('default', 'smolvlm-256m'; a VLM checkpoint brings its own). "
+                        "Implied by --encode-workers; without encode workers the consumers encode in-process")
+    v.add_argument("--no-encode-pipeline", action="store_true",
+                   help="prefill waits for all of a request's images (default: starts as they arrive)")
+    v.add_argument("--embed-slab-mb", type=float, default=64.0, help="embedding slab per prefill/colocated worker")
+    v.add_argument("--encode-batch-images", type=int, default=1, help="images per encoder forward pass")
+    v.add_argument("--encoder-cache-mb", type=float, default=256.0, help="content-hash embedding cache per encoder")
+    v.add_argument("--max-images-per-request", type=int, default=16)
+    v.add_argument("--allowed-media-domains", nargs="*", default=[], help="hosts http(s) image URLs may be fetched from")
     # Fault injection for tests: prefill workers never finish a KV transfer.
     g.add_argument("--debug-stall-kv-transfers", action="store_true", help=argparse.SUPPRESS)
 
@@ -61,13 +74,44 @@ def plan_workers(ns: argparse.Namespace) -> list[str]:
     decode = ns.decode_workers if ns.decode_workers is not None else (0 if colocated else 1)
     if min(prefill, decode, colocated) < 0:
         raise ConfigError("worker counts must not be negative")
+    encode = ns.encode_workers
+    if encode < 0:
+        raise ConfigError("worker counts must not be negative")
     if (prefill > 0) != (decode > 0):
         raise ConfigError("P/D serving needs at least one prefill and one decode worker")
     if prefill + decode + colocated == 0:
         raise ConfigError("no workers requested")
     if ns.cores_per_worker < 1:
         raise ConfigError("--cores-per-worker must be at least 1")
-    return ["prefill"] * prefill + ["decode"] * decode + ["colocated"] * colocated
+    if encode and ns.embed_slab_mb <= 0:
+        raise ConfigError("encode workers need --embed-slab-mb > 0")
+    if ns.max_images_per_request < 1 or ns.encode_batch_images < 1:
+        raise ConfigError("--max-images-per-request and --encode-batch-images must be at least 1")
+    # Encode workers first: with fewer cores than workers, they share a core with decode.
+    return ["encode"] * encode + ["prefill"] * prefill + ["decode"] * decode + ["colocated"] * colocated
+
+
+def is_vlm_checkpoint(model: str | None) -> bool:
+    """Whether ``model`` is a vision-language checkpoint directory (it takes images by itself)."""
+    if model is None or not os.path.isdir(model):
+        return False
+    try:
+        with open(os.path.join(model, "config.json"), encoding="utf-8") as f:
+            return json.load(f).get("model_type") == "idefics3"
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def vision_args(ns: argparse.Namespace, is_vlm_checkpoint: bool) -> tuple[str | None, list[str], list[str]]:
+    """The vision tower to serve (None: text only), and the extra flags of consumer and
+    encode workers."""
+    vision = ns.vision or ("default" if ns.encode_workers or is_vlm_checkpoint else None)
+    if vision is None:
+        return None, [], []
+    common = ["--vision", vision, "--encode-batch-images", str(ns.encode_batch_images),
+              "--encoder-cache-mb", str(ns.encoder_cache_mb)]
+    consumer = common + (["--embed-slab-mb", str(ns.embed_slab_mb)] if ns.encode_workers else [])
+    return vision, consumer, common
 
 
 async def serve(ns: argparse.Namespace) -> int:
@@ -75,18 +119,28 @@ async def serve(ns: argparse.Namespace) -> int:
 
     from epdserve.cluster.local import LocalWorker, assign_cores, spawn_worker, stop_workers
     from epdserve.models.loader import load_model_info
+    from epdserve.models.multimodal import RANDOM_VISION_NOTICE, load_multimodal_spec
     from epdserve.router.api import ServedModel, create_app
     from epdserve.router.core import Router, RouterConfig
+    from epdserve.router.images import ImageLimits
 
     roles = plan_workers(ns)
     if ns.worker_log_dir:
         os.makedirs(ns.worker_log_dir, exist_ok=True)
     info = load_model_info(ns.model)
+    mm_spec = None
+    vision, consumer_extra, encode_extra = vision_args(ns, is_vlm_checkpoint(ns.model))
+    if vision is not None:
+        mm_spec = load_multimodal_spec(ns.model, vision)
+        if mm_spec.is_random_init:
+            print(f"epdserve: note: {RANDOM_VISION_NOTICE}", flush=True)
     max_model_len = ns.max_model_len or min(info.spec.max_position_embeddings, 4096)
     names = tuple(ns.served_model_name or [info.spec.name])
-    served = ServedModel(names, info.tokenizer, max_model_len, info.spec.vocab_size)
+    limits = ImageLimits(max_images_per_request=ns.max_images_per_request,
+                         allowed_media_domains=tuple(ns.allowed_media_domains))
+    served = ServedModel(names, info.tokenizer, max_model_len, info.spec.vocab_size, mm_spec, limits)
     config = RouterConfig(transfer_timeout_s=ns.transfer_timeout, transfer_policy=ns.transfer_policy,
-                          max_pending=ns.max_pending)
+                          max_pending=ns.max_pending, encode_pipelined=not ns.no_encode_pipeline)
     router = Router(config, port=ns.router_port)
     await router.start()
     started = time.monotonic()
@@ -99,7 +153,8 @@ async def serve(ns: argparse.Namespace) -> int:
         counters[role] = counters.get(role, 0) + 1
         worker_id = f"{role}-{counters[role] - 1}"
         log_path = f"{ns.worker_log_dir}/{worker_id}.log" if ns.worker_log_dir else None
-        worker = spawn_worker(worker_id, role, router.address, cores, extra, log_path)
+        role_extra = encode_extra if role == "encode" else consumer_extra if role in ("prefill", "colocated") else []
+        worker = spawn_worker(worker_id, role, router.address, cores, extra + role_extra, log_path)
         workers.append(worker)
         router.watch_process(worker_id, worker.pid)
     try:
@@ -120,7 +175,7 @@ async def serve(ns: argparse.Namespace) -> int:
         port = sock.getsockname()[1]
         server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
         serving = asyncio.create_task(server.serve(sockets=[sock]))
-        layout = ", ".join(f"{need[r]} {r}" for r in ("prefill", "decode", "colocated") if r in need)
+        layout = ", ".join(f"{need[r]} {r}" for r in ("encode", "prefill", "decode", "colocated") if r in need)
         url = f"http://{ns.host}:{port}"
         print(f"epdserve ready in {time.monotonic() - started:.1f} s: {url} ({layout}; model {names[0]}; "
               f"workers connect to {router.address})", flush=True)

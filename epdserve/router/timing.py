@@ -2,8 +2,12 @@
 
 TTFT decomposes as ``queue + encode + prefill + blocking KV transfer + first-token output``:
 
-    arrived ─queue─▶ prefill_start ─prefill compute + blocking transfer─▶ prefill_end
+    arrived ─queue─▶ encode_start ─encode─▶ encode_end ─prefill (after encode)─▶ prefill_end
             ─first token out─▶ first_token
+
+Without images the encode part is empty and the queue ends at ``prefill_start``. With
+pipelined prefill, chunks before the last image run while later images encode; that
+overlapped prefill time is ``prefill_overlap_ms`` and is not counted again in ``prefill_ms``.
 
 The prefill step's own time moving KV (a shared-memory write is a copy by the prefill
 worker's thread; so is gathering the pages for a TCP send) delays the first token and is
@@ -23,6 +27,10 @@ def _ms(later: float, earlier: float) -> float:
 
 def timing_json(t: Timing) -> dict:
     prefill_end = t.prefill_end or t.first_token
+    has_encode = bool(t.encode_start and t.encode_end)
+    queue_end = min(t.encode_start, t.prefill_start or t.encode_start) if has_encode else t.prefill_start
+    prefill_from = max(t.prefill_start, t.encode_end) if has_encode and t.prefill_start else t.prefill_start
+    prefill_ms = max(0.0, round(_ms(t.prefill_end, prefill_from) - t.kv_blocking_s * 1e3, 3))
     return {
         "arrived": t.arrived,
         "admitted": t.admitted,
@@ -34,9 +42,15 @@ def timing_json(t: Timing) -> dict:
         "decode_start": t.decode_start,
         "finished": t.finished,
         "num_cached_tokens": t.num_cached_tokens,
-        "queue_ms": _ms(t.prefill_start, t.arrived),
-        "encode_ms": 0.0,
-        "prefill_ms": max(0.0, round(_ms(t.prefill_end, t.prefill_start) - t.kv_blocking_s * 1e3, 3)),
+        "encode_start": t.encode_start,
+        "encode_end": t.encode_end,
+        "num_images": t.num_images,
+        "num_encoder_cache_hits": t.num_encoder_cache_hits,
+        "queue_ms": _ms(queue_end, t.arrived),
+        "encode_ms": _ms(t.encode_end, t.encode_start),
+        "embed_transfer_ms": round(t.embed_transfer_s * 1e3, 3),
+        "prefill_ms": prefill_ms,
+        "prefill_overlap_ms": _ms(min(t.encode_end, t.prefill_end), t.prefill_start) if has_encode else 0.0,
         "kv_blocking_ms": round(t.kv_blocking_s * 1e3, 3),
         "kv_transfer_ms": _ms(t.kv_transfer_end, t.kv_transfer_start),
         "exposed_transfer_ms": round(t.kv_exposed_s * 1e3, 3),

@@ -19,6 +19,7 @@ class WorkerInfo:
     num_kv_blocks: int
     block_size: int
     endpoint: m.KVEndpoint | None
+    can_encode: bool = False  # consumer with an in-process vision encoder
     state: str = "ready"  # "ready" | "dead"
     load: m.Load = field(default_factory=lambda: m.Load(0, 0, 0, 0))
     last_seen: float = field(default_factory=time.monotonic)  # seconds, monotonic

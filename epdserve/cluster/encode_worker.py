@@ -1,0 +1,208 @@
+"""An encode worker: the vision encoder, batched by image, writing into consumers' slabs.
+
+    epdserve worker --role encode --router tcp://HOST:PORT [--vision NAME] [engine options]
+
+The router sends one ``EncodeImage`` per image (the image file, the consumer's id and the
+row offset it allocated in that consumer's slab). The worker takes up to
+``max_batch_images`` queued images per step, whichever requests they belong to, serves
+repeated images from its content-hash cache, writes each embedding into the consumer's slab
+(mapped once, when the router announces the consumer) and answers ``EncodeDone`` per image.
+Every job gets exactly one answer, so the router knows when no more writes can land in a
+slab region.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+import zmq
+
+from epdserve.cluster import messages as m
+from epdserve.config import resolve_device_name, resolve_dtype_name
+from epdserve.engine.encoder_runner import EncodeJob, EncodeResult, EncoderRunner
+from epdserve.errors import ConfigError
+from epdserve.models.multimodal import load_multimodal_spec, load_vision_encoder
+from epdserve.transfer.slab import EmbeddingSlab
+
+log = logging.getLogger("epdserve.encode")
+
+
+@dataclass(frozen=True)
+class EncodeWorkerOptions:
+    router: str
+    worker_id: str
+    model: str | None = None
+    vision: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    seed: int = 0
+    cores: tuple[int, ...] = ()
+    max_batch_images: int = 1  # images per encoder forward pass
+    cache_bytes: int = 256 << 20  # content-hash embedding cache
+    heartbeat_s: float = 0.2
+    die_with_parent: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_batch_images < 1:
+            raise ConfigError(f"--encode-batch-images must be at least 1, got {self.max_batch_images}")
+        if self.cache_bytes < 0:
+            raise ConfigError("the encoder cache size must not be negative")
+
+
+class EncodeWorker:
+    def __init__(self, opts: EncodeWorkerOptions) -> None:
+        self.opts = opts
+        if opts.cores:
+            os.sched_setaffinity(0, opts.cores)
+            torch.set_num_threads(len(opts.cores))
+        dtype = getattr(torch, resolve_dtype_name(opts.dtype))
+        device = torch.device(resolve_device_name(opts.device))
+        self.spec = load_multimodal_spec(opts.model, opts.vision)
+        encoder = load_vision_encoder(opts.model, dtype, device, vision=opts.vision, seed=opts.seed)
+        self.runner = EncoderRunner(encoder, self.spec.policy, opts.cache_bytes)
+        self.slabs: dict[str, EmbeddingSlab] = {}
+        self.queue: deque[m.EncodeImage] = deque()
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.IDENTITY, opts.worker_id.encode())
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(opts.router)
+        self._stop = threading.Event()
+        self._num_busy = 0
+
+    def register(self) -> m.Register:
+        return m.Register(
+            worker_id=self.opts.worker_id, role="encode", pid=os.getpid(), host=socket.gethostname(),
+            model_name=self.opts.vision or "default", max_model_len=0, num_kv_blocks=0, block_size=0,
+        )
+
+    def load(self) -> m.Load:
+        cache = self.runner.cache
+        return m.Load(num_running=self._num_busy, num_waiting=len(self.queue), num_free_blocks=0, num_used_blocks=0,
+                      num_encoder_cache_hits=cache.num_hits, num_encoder_cache_bytes=cache.num_bytes)
+
+    def _heartbeat_loop(self) -> None:
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, f"{self.opts.worker_id}/hb".encode())
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self.opts.router)
+        while not self._stop.wait(self.opts.heartbeat_s):
+            try:
+                sock.send(m.encode(m.Heartbeat(self.opts.worker_id, self.load())), zmq.NOBLOCK)
+            except (zmq.ZMQError, RuntimeError):
+                pass
+        sock.close()
+
+    def run(self) -> int:
+        self.sock.send(m.encode(self.register()))
+        threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True).start()
+        try:
+            while not self._stop.is_set():
+                timeout_ms = 0 if self.queue else 100
+                while self.sock.poll(timeout_ms, zmq.POLLIN):
+                    self._handle(m.decode(self.sock.recv()))
+                    timeout_ms = 0
+                    if self._stop.is_set():
+                        return 0
+                if self.queue:
+                    self._encode_batch()
+        finally:
+            self.close()
+        return 0
+
+    def _handle(self, msg: m.Message) -> None:
+        if isinstance(msg, m.EncodeImage):
+            self.queue.append(msg)
+        elif isinstance(msg, m.Abort):
+            kept = deque()
+            for job in self.queue:
+                if job.request_id == msg.request_id:
+                    self._reply(job, False, reason="aborted")
+                else:
+                    kept.append(job)
+            self.queue = kept
+        elif isinstance(msg, m.SlabUp):
+            old = self.slabs.pop(msg.worker_id, None)
+            if old is not None:
+                old.close()
+            try:
+                self.slabs[msg.worker_id] = EmbeddingSlab.attach(msg.slab)
+            except (OSError, ValueError) as e:  # its jobs then fail one by one
+                log.warning("cannot map the slab of %s: %s", msg.worker_id, e)
+        elif isinstance(msg, m.PeerDown):
+            old = self.slabs.pop(msg.worker_id, None)
+            if old is not None:
+                old.close()
+        elif isinstance(msg, m.Shutdown):
+            self._stop.set()
+
+    def _encode_batch(self) -> None:
+        batch = [self.queue.popleft() for _ in range(min(self.opts.max_batch_images, len(self.queue)))]
+        self._num_busy = len(batch)
+        results = self.runner.run([EncodeJob(job.content_hash, job.data) for job in batch])
+        for job, result in zip(batch, results):
+            if result.rows is None:
+                self._reply(job, False, result=result, reason=result.error)
+                continue
+            slab = self.slabs.get(job.target)
+            if slab is None:
+                self._reply(job, False, result=result, reason=f"the slab of {job.target} is not mapped")
+                continue
+            if result.rows.shape != (job.num_rows, slab.hidden_size):
+                self._reply(job, False, result=result, reason=(
+                    f"embedding of shape {tuple(result.rows.shape)} does not fit {job.num_rows} rows "
+                    f"of {slab.hidden_size}"))
+                continue
+            write_start = time.perf_counter()
+            try:
+                slab.region(job.slab_offset, job.num_rows).copy_(result.rows)
+            except ValueError as e:
+                self._reply(job, False, result=result, reason=str(e))
+                continue
+            write_s = time.perf_counter() - write_start
+            num_bytes = result.rows.numel() * slab.rows.element_size()
+            self._reply(job, True, result=result, write_s=write_s, num_bytes=num_bytes)
+        self._num_busy = 0
+
+    def _reply(self, job: m.EncodeImage, ok: bool, result: EncodeResult | None = None, write_s: float = 0.0,
+               num_bytes: int = 0, reason: str = "") -> None:
+        self.sock.send(m.encode(m.EncodeDone(
+            job.request_id, job.image_index, ok,
+            is_cache_hit=bool(result and result.is_cache_hit),
+            encode_start=result.start if result else 0.0, encode_end=result.end if result else 0.0,
+            write_s=write_s, num_bytes=num_bytes, reason=reason,
+        )))
+
+    def close(self) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        self._stop.set()
+        for slab in self.slabs.values():
+            slab.close()
+        self.slabs.clear()
+        self.sock.close()
+        self.ctx.term()
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def run_encode_worker(opts: EncodeWorkerOptions) -> int:
+    if opts.die_with_parent:
+        from epdserve.cluster.worker import _die_with_parent
+
+        _die_with_parent()
+    signal.signal(signal.SIGTERM, _interrupt)
+    worker = EncodeWorker(opts)
+    try:
+        return worker.run()
+    except KeyboardInterrupt:
+        return 0

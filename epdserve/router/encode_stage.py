@@ -1,0 +1,193 @@
+"""The router's side of the encode stage: slab space, encode jobs, embedding readiness.
+
+An image request's path, with encode workers::
+
+    admit: place every image in the consumer's slab (all or none; full -> 503 Retry-After)
+    submit: consumer gets the prompt with (slab offset, rows) per image, nothing ready yet
+    encode: one EncodeImage per image to an encode worker (same content -> same worker while
+            its queue is not much longer: its cache has the embedding)
+    EncodeDone(ok) -> EmbeddingReady to the consumer (it may prefill up to the next image)
+
+A slab region is freed only when both hold: the consumer is done with the path (finished,
+aborted or dead) and no encoder can still write the region (every job answered, or its
+encoder dead). Without encode workers, a consumer that has its own encoder gets the image
+files inline and encodes them itself.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from epdserve.cluster import messages as m
+from epdserve.transfer.slab import SlabAllocator, SlabRegion
+
+if TYPE_CHECKING:
+    from epdserve.router.core import Path, Router
+    from epdserve.router.images import ImageInput
+    from epdserve.router.workers import WorkerInfo
+
+AFFINITY_SLACK = 2  # jobs an encoder may have beyond the least loaded and still get its images
+
+
+@dataclass
+class PathImages:
+    """A path's images and the slab space they hold on its consumer."""
+
+    images: list[ImageInput]
+    consumer: str
+    regions: list[SlabRegion] = field(default_factory=list)
+    pending_jobs: dict[int, str] = field(default_factory=dict)  # image index -> encode worker
+    is_consumer_done: bool = False
+
+
+class EncodeStage:
+    def __init__(self, router: Router, pipelined: bool = True) -> None:
+        self.router = router
+        self.pipelined = pipelined
+        self.allocators: dict[str, SlabAllocator] = {}  # consumer worker id -> its slab's rows
+        self.slabs: dict[str, m.SlabEndpoint] = {}
+        self.jobs_per_encoder: dict[str, set[tuple[str, int]]] = {}  # (path id, image index)
+
+    # -- workers -------------------------------------------------------------------------
+    def on_register(self, msg: m.Register) -> None:
+        router = self.router
+        if msg.slab is not None:
+            self.allocators[msg.worker_id] = SlabAllocator(msg.slab.num_rows)
+            self.slabs[msg.worker_id] = msg.slab
+            router.metrics.slab_rows_free.labels(msg.worker_id).set(msg.slab.num_rows)
+            for encoder in router.registry.ready("encode"):
+                router._post(encoder.worker_id, m.SlabUp(msg.worker_id, msg.slab))
+        if msg.role == "encode":
+            self.jobs_per_encoder[msg.worker_id] = set()
+            for worker_id, slab in self.slabs.items():
+                if router._is_ready(worker_id):
+                    router._post(msg.worker_id, m.SlabUp(worker_id, slab))
+
+    def on_worker_dead(self, worker: WorkerInfo) -> None:
+        if worker.role == "encode":
+            router = self.router
+            for path_id, index in self.jobs_per_encoder.pop(worker.worker_id, set()):
+                path = router.paths.get(path_id)
+                if path is None or path.mm is None:
+                    continue
+                path.mm.pending_jobs.pop(index, None)  # a dead encoder writes nothing more
+                if not path.done:
+                    router._fail(path, f"encode worker {worker.worker_id} failed while serving this request")
+                self.maybe_free(path)
+            return
+        if worker.worker_id in self.allocators:  # its slab went with it
+            del self.allocators[worker.worker_id]
+            self.slabs.pop(worker.worker_id, None)
+            for encoder in self.router.registry.ready("encode"):
+                self.router._post(encoder.worker_id, m.PeerDown(worker.worker_id))
+
+    def has_encoders(self) -> bool:
+        return bool(self.router.registry.ready("encode"))
+
+    # -- admission -----------------------------------------------------------------------
+    def place(self, path: Path, consumer: WorkerInfo, images: list[ImageInput]) -> list[m.ImageRef]:
+        """The image refs for ``consumer``'s Submit; raises Overloaded when there is no room
+        (slab full) or nobody can encode."""
+        from epdserve.router.core import Overloaded
+
+        allocator = self.allocators.get(consumer.worker_id)
+        if self.has_encoders() and allocator is not None:
+            regions = []
+            for image in images:
+                region = allocator.allocate(image.span.num_embeds)
+                if region is None:
+                    for r in regions:
+                        allocator.free(r)
+                    self.router.metrics.rejected.labels("embedding_slab_full").inc()
+                    raise Overloaded(f"embedding slab of {consumer.worker_id} is full", 503, retry_after=1)
+                regions.append(region)
+            path.mm = PathImages(images, consumer.worker_id, regions)
+            self._observe_slab(consumer.worker_id)
+            return [
+                m.ImageRef(im.span.offset, im.span.length, im.span.num_embeds, im.content_hash, r.offset)
+                for im, r in zip(images, regions)
+            ]
+        if consumer.can_encode:
+            path.mm = PathImages(images, consumer.worker_id)
+            return [
+                m.ImageRef(im.span.offset, im.span.length, im.span.num_embeds, im.content_hash, data=im.data)
+                for im in images
+            ]
+        self.router.metrics.rejected.labels("no_encoder").inc()
+        raise Overloaded("no encode workers are available", 503, retry_after=5)
+
+    def dispatch(self, path: Path) -> None:
+        """Send the encode jobs of a submitted path (slab mode)."""
+        mm = path.mm
+        if mm is None or not mm.regions:
+            return
+        for index, (image, region) in enumerate(zip(mm.images, mm.regions)):
+            encoder = self._pick_encoder(image.content_hash)
+            mm.pending_jobs[index] = encoder
+            self.jobs_per_encoder[encoder].add((path.path_id, index))
+            self.router._post(encoder, m.EncodeImage(
+                path.path_id, index, image.content_hash, image.data, mm.consumer, region.offset, region.num_rows,
+            ))
+
+    def _pick_encoder(self, content_hash: str) -> str:
+        encoders = sorted(w.worker_id for w in self.router.registry.ready("encode"))
+        loads = {e: len(self.jobs_per_encoder.setdefault(e, set())) for e in encoders}
+        affine = encoders[int(content_hash[:8], 16) % len(encoders)]
+        least = min(encoders, key=lambda e: loads[e])
+        return affine if loads[affine] <= loads[least] + AFFINITY_SLACK else least
+
+    # -- progress ------------------------------------------------------------------------
+    def on_encode_done(self, sender: str, msg: m.EncodeDone) -> None:
+        router = self.router
+        self.jobs_per_encoder.get(sender, set()).discard((msg.request_id, msg.image_index))
+        path = router.paths.get(msg.request_id)
+        if path is None or path.mm is None or path.mm.pending_jobs.pop(msg.image_index, None) is None:
+            return
+        timing = path.handle.timing
+        if msg.ok:
+            timing.encode_start = min(timing.encode_start or msg.encode_start, msg.encode_start)
+            timing.encode_end = max(timing.encode_end, time.time())
+            timing.embed_transfer_s += msg.write_s
+            timing.num_encoder_cache_hits += int(msg.is_cache_hit)
+            router.metrics.embedding_bytes.inc(msg.num_bytes)
+            router.metrics.encode_time.observe(max(0.0, msg.encode_end - msg.encode_start))
+            router.metrics.encoder_cache_hits.inc(int(msg.is_cache_hit))
+            if not path.done:
+                router._post(path.mm.consumer, m.EmbeddingReady(path.path_id, msg.image_index))
+        elif not path.done:
+            router._fail(path, f"image {msg.image_index} could not be encoded: {msg.reason}")
+        self.maybe_free(path)
+
+    def on_consumer_done(self, path: Path) -> None:
+        if path.mm is not None and not path.mm.is_consumer_done:
+            path.mm.is_consumer_done = True
+            self.maybe_free(path)
+
+    def abort(self, path: Path) -> None:
+        """Drop the path's queued jobs (each encoder still answers every job)."""
+        if path.mm is None:
+            return
+        for encoder in set(path.mm.pending_jobs.values()):
+            self.router._post(encoder, m.Abort(path.path_id))
+
+    def maybe_free(self, path: Path) -> None:
+        mm = path.mm
+        if mm is None or not mm.regions or not mm.is_consumer_done or mm.pending_jobs:
+            return
+        allocator = self.allocators.get(mm.consumer)
+        if allocator is not None:
+            for region in mm.regions:
+                allocator.free(region)
+            self._observe_slab(mm.consumer)
+        mm.regions = []
+
+    def is_holding(self, path: Path) -> bool:
+        """Whether the path still holds slab space or waits for encoders."""
+        return path.mm is not None and bool(path.mm.regions or path.mm.pending_jobs)
+
+    def _observe_slab(self, worker_id: str) -> None:
+        allocator = self.allocators.get(worker_id)
+        if allocator is not None:
+            self.router.metrics.slab_rows_free.labels(worker_id).set(allocator.num_free_rows)
