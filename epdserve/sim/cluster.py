@@ -1,0 +1,429 @@
+"""Discrete-event cluster simulator: router, instances, KV and embedding transfers.
+
+Events sit in one heap as ``(time_s, kind, seq, payload)``. At equal times lower kinds go
+first, so work that arrives at an instant is visible to a step that ends at that instant::
+
+    ARRIVAL < EMBED_DONE < TRANSFER_DONE < ENCODE_END < STEP_END < HEARTBEAT
+
+Each step instance runs the engine's ``Scheduler.schedule()`` when it starts a step and
+``Scheduler.update()`` when the step ends (``StepCost`` seconds later); between steps it
+does nothing. Sampled tokens are a dummy id and requests stop at ``max_tokens``.
+
+The router is the real one's rules: ``WorkerRegistry.pick`` on heartbeat-reported load,
+``max_pending`` and per-worker queue limits (429), decode reservation refusal (503).
+P/D: reserve on decode, prefill with ``hold_kv_for_transfer``; the first token leaves at
+prefill end; KV goes layer by layer over the prefill instance's link; decode starts
+(``add_prefilled``) when the last layer is out, and prefill frees its blocks then.
+E/P/D: each image is encoded on a picked encoder, batched by image, and its embedding sent
+over that encoder's link; the prefill scheduler computes what is ready (``MMInput``).
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+from time import perf_counter
+
+from epdserve.errors import ConfigError
+from epdserve.request import EventType, Request
+from epdserve.router.admission import (
+    DEFAULT_MAX_PENDING,
+    DEFAULT_MAX_WAITING_PER_WORKER,
+    Rejection,
+    check_pending,
+    check_worker_queue,
+    reservation_refused,
+)
+from epdserve.router.workers import WorkerRegistry
+from epdserve.sampling import SamplingParams
+from epdserve.sim.cost_model import CostModel, StepShape
+from epdserve.sim.instance import SHM_BYTES_PER_S, EncodeInstance, Link, StepInstance
+from epdserve.sim.results import Flight, Recorder
+from epdserve.sim.topology import Topology
+from epdserve.sim.workload import SimWorkload
+
+ARRIVAL, EMBED_DONE, TRANSFER_DONE, ENCODE_END, STEP_END, HEARTBEAT = range(6)
+DUMMY_TOKEN_ID = 0
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    topology: Topology
+    link_bytes_per_s: float = SHM_BYTES_PER_S  # each prefill / encode instance's outgoing link
+    heartbeat_s: float = 0.2  # load reports reach the router this often (the workers' default)
+    max_pending: int = DEFAULT_MAX_PENDING
+    max_waiting_per_worker: int = DEFAULT_MAX_WAITING_PER_WORKER
+    max_num_seqs: dict[str, int] = field(default_factory=dict)  # per role; absent: the profile's
+    max_model_len: int | None = None  # None: the workload's longest request
+    enable_prefix_caching: bool = True
+    is_mm_pipelined: bool = True
+    encode_max_batch_images: int = 8
+    max_detail_requests: int = 10_000  # requests that keep inter-token gaps and timing
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.link_bytes_per_s > 0, f"link bandwidth must be > 0, got {self.link_bytes_per_s}"),
+            (self.heartbeat_s > 0, f"heartbeat period must be > 0, got {self.heartbeat_s}"),
+            (self.max_pending >= 1, f"max_pending must be >= 1, got {self.max_pending}"),
+            (self.max_waiting_per_worker >= 1, f"max_waiting_per_worker must be >= 1, got {self.max_waiting_per_worker}"),
+            (self.encode_max_batch_images >= 1, "encode batch must hold >= 1 image"),
+            (self.max_model_len is None or self.max_model_len >= 2, "max_model_len must be >= 2"),
+            (self.max_detail_requests >= 0, "max_detail_requests must be >= 0"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ConfigError(message)
+        for role, n in self.max_num_seqs.items():
+            if role not in ("colocated", "prefill", "decode") or not isinstance(n, int) or n < 1:
+                raise ConfigError(f"max_num_seqs: bad entry {role}={n}")
+
+
+@dataclass
+class SimStats:
+    wall_s: float = 0.0  # real seconds the simulation took
+    num_events: int = 0
+    sim_end_s: float = 0.0
+
+
+class ClusterSim:
+    def __init__(self, cost: CostModel, config: SimConfig, workload: SimWorkload) -> None:
+        if len(workload) == 0:
+            raise ConfigError("the workload has no requests")
+        topo = config.topology
+        self.cost, self.config, self.workload = cost, config, workload
+        self.is_split = topo.is_split
+        self.num_image_tokens = 0
+        if workload.num_images:
+            if not topo.num_encode:
+                raise ConfigError("the workload has images; add encode=N to the topology")
+            self.num_image_tokens = workload.num_images * workload.tiles_per_image * cost.encoder().tokens_per_tile
+        elif topo.num_encode:
+            cost.encoder()
+        lengths = workload.input_lens + workload.output_lens + self.num_image_tokens
+        self.max_model_len = config.max_model_len or max(2, int(lengths.max()))
+        self.instances: list[StepInstance | EncodeInstance] = []
+        self.registry = WorkerRegistry()
+        self.by_worker_id: dict[str, StepInstance | EncodeInstance] = {}
+        for role in topo.roles:
+            for i in range(topo.count(role)):
+                self._add_instance(role, f"{role}-{i}")
+        self.recorder = Recorder(len(workload), config.max_detail_requests)
+        self.flights: dict[str, Flight] = {}
+        self.detail_ids: set[str] = set()
+        self.heap: list = []
+        self.seq = 0
+        self.num_pending_events = 0  # in the heap, heartbeats not counted
+        self.now = 0.0
+        self.stats = SimStats()
+        self._filler = workload.make_filler()
+        self._params: dict[int, SamplingParams] = {}
+        self._prefill_params = SamplingParams(max_tokens=1, ignore_eos=True)
+
+    def _add_instance(self, role: str, worker_id: str) -> None:
+        cost, config = self.cost, self.config
+        link = Link(config.link_bytes_per_s)
+        if role == "encode":
+            inst = EncodeInstance(worker_id, cost.encoder(), config.encode_max_batch_images, link, cost.model)
+        else:
+            profile = cost.role(role)
+            capacity = (profile.num_kv_blocks - 1) * cost.block_size
+            if capacity < self.max_model_len:
+                raise ConfigError(
+                    f"the profile's {role} role holds {capacity} tokens of KV; the workload's longest "
+                    f"request needs {self.max_model_len} (pass a smaller max model length)"
+                )
+            inst = StepInstance(worker_id, profile, cost.block_size, self.max_model_len, config.enable_prefix_caching,
+                                config.max_num_seqs.get(role), link if role == "prefill" else None, cost.model)
+        self.instances.append(inst)
+        self.registry.add(inst.worker)
+        self.by_worker_id[worker_id] = inst
+
+    # -- event loop ----------------------------------------------------------------------
+    def _push(self, when: float, kind: int, payload: object) -> None:
+        self.seq += 1
+        if kind != HEARTBEAT:
+            self.num_pending_events += 1
+        heapq.heappush(self.heap, (when, kind, self.seq, payload))
+
+    def run(self) -> Recorder:
+        started = perf_counter()
+        self._push(float(self.workload.arrival_s[0]), ARRIVAL, 0)
+        self._push(0.0, HEARTBEAT, None)
+        heap, pop = self.heap, heapq.heappop
+        num_events = 0
+        while heap:
+            when, kind, _, payload = pop(heap)
+            self.now = when
+            num_events += 1
+            if kind != HEARTBEAT:
+                self.num_pending_events -= 1
+            if kind == STEP_END:
+                self._on_step_end(payload)
+            elif kind == ARRIVAL:
+                self._on_arrival(payload)
+            elif kind == TRANSFER_DONE:
+                self._on_transfer_done(payload)
+            elif kind == ENCODE_END:
+                self._on_encode_end(payload)
+            elif kind == EMBED_DONE:
+                self._on_embed_done(*payload)
+            else:
+                self._on_heartbeat(payload)
+        self.stats = SimStats(perf_counter() - started, num_events, self.now)
+        return self.recorder
+
+    def _on_heartbeat(self, _: object) -> None:
+        for inst in self.instances:
+            inst.worker.load = inst.load()
+            inst.worker.num_submitted = 0
+        if self.flights and self.num_pending_events == 0:
+            raise ConfigError(
+                f"simulation stalled at {self.now:.3f} s with {len(self.flights)} requests that no instance "
+                f"can schedule (KV cache or max_num_seqs too small for them)"
+            )
+        if self.flights or self.num_pending_events:
+            self._push(self.now + self.config.heartbeat_s, HEARTBEAT, None)
+
+    # -- router ------------------------------------------------------------------------------
+    def _pick(self, role: str) -> StepInstance | EncodeInstance | None:
+        worker = self.registry.pick(role)
+        return None if worker is None else self.by_worker_id[worker.worker_id]
+
+    def _reject(self, index: int, num_prompt: int, rejection: Rejection) -> None:
+        self.recorder.fail(index, self.now, num_prompt, f"{rejection.status} {rejection.message}", self.now)
+
+    def _sampling(self, max_tokens: int) -> SamplingParams:
+        params = self._params.get(max_tokens)
+        if params is None:
+            params = self._params[max_tokens] = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        return params
+
+    def _on_arrival(self, index: int) -> None:
+        now, w, config = self.now, self.workload, self.config
+        if index + 1 < len(w):
+            self._push(float(w.arrival_s[index + 1]), ARRIVAL, index + 1)
+        num_output = int(w.output_lens[index])
+        num_prompt = int(w.input_lens[index]) + self.num_image_tokens
+        rejection = check_pending(len(self.flights), config.max_pending)
+        if rejection is not None:
+            return self._reject(index, num_prompt, rejection)
+        if num_prompt >= self.max_model_len:
+            return self.recorder.fail(index, now, num_prompt, f"400 prompt of {num_prompt} tokens is too long "
+                                      f"(max model length {self.max_model_len})", now)
+        rid = str(index)
+        first = self._pick("decode" if self.is_split else "colocated")
+        rejection = check_worker_queue(first.worker, config.max_waiting_per_worker)
+        if rejection is not None:
+            return self._reject(index, num_prompt, rejection)
+        prompt = w.prompt_token_ids(index, self._filler)
+        if self.num_image_tokens:
+            prompt = [DUMMY_TOKEN_ID] * self.num_image_tokens + prompt
+        flight = Flight(index, now, num_prompt, num_output, prompt)
+        if self.is_split:
+            blocks = first.scheduler.reserve(rid, num_prompt)
+            if blocks is None:
+                return self._reject(index, num_prompt, reservation_refused(f"no room for {num_prompt + 1} tokens"))
+            target = self._pick("prefill")
+            flight.decode, flight.prefill = first, target
+            request = Request(rid, prompt, self._prefill_params, arrival_time=now, hold_kv_for_transfer=True,
+                              kv_target=first.worker.worker_id, kv_target_block_ids=blocks)
+            self._take(first, rid)
+        else:
+            target = flight.colocated = first
+            request = Request(rid, prompt, self._sampling(num_output), arrival_time=now)
+        self._take(target, rid)
+        request.record(EventType.ARRIVED, now)
+        if self.recorder.is_detail(index):
+            flight.token_times = []
+            self.detail_ids.add(rid)
+        self.flights[rid] = flight
+        if self.num_image_tokens:
+            self._submit_images(flight, request)
+        target.scheduler.add_request(request)
+        self._kick(target)
+
+    @staticmethod
+    def _take(inst: StepInstance | EncodeInstance, request_id: str) -> None:
+        inst.worker.request_ids.add(request_id)
+        inst.worker.num_submitted += 1
+
+    def _submit_images(self, flight: Flight, request: Request) -> None:
+        from epdserve.request import MMInput
+
+        w = self.workload
+        tokens = self.num_image_tokens // w.num_images
+        for k in range(w.num_images):
+            mm = MMInput(offset=k * tokens, length=tokens, num_embeds=tokens,
+                         content_hash=f"{flight.index:011x}{k:04x}")
+            flight.mm_inputs.append(mm)
+            encoder = self._pick("encode")
+            flight.encoders[encoder] = flight.encoders.get(encoder, 0) + 1
+            self._take(encoder, flight.request_id)
+            encoder.queue.append((flight, k))
+            self._kick_encoder(encoder)
+        flight.num_pending_images = w.num_images
+        request.mm_inputs = flight.mm_inputs
+        request.is_mm_pipelined = self.config.is_mm_pipelined
+
+    # -- step instances ------------------------------------------------------------------
+    def _kick(self, inst: StepInstance) -> None:
+        """Start the instance's next step now, unless one is running or nothing is runnable."""
+        if inst.is_busy:
+            return
+        scheduler = inst.scheduler
+        out = scheduler.schedule()
+        while not out.scheduled:
+            if not out.preempted_ids:
+                return
+            out = scheduler.schedule()
+        now = self.now
+        shape = StepShape.from_scheduler_output(out)
+        step_s = inst.step_cost.time_s(shape)
+        if shape.num_prefill_tokens:
+            flights = self.flights
+            for entry in out.scheduled:
+                request = entry.request
+                if entry.start_pos < request.num_prompt_tokens:
+                    flight = flights[request.request_id]
+                    if flight.prefill_start is None:
+                        flight.prefill_start = now
+                        flight.num_cached = request.num_cached_tokens
+                        request.record(EventType.PREFILL_START, now)
+            if inst.link is not None:
+                self._push_kv(inst, out.scheduled, now, step_s)
+        inst.is_busy = True
+        inst.out = out
+        inst.num_steps += 1
+        inst.busy_s += step_s
+        self._push(now + step_s, STEP_END, inst)
+
+    def _push_kv(self, inst: StepInstance, scheduled: list, now: float, step_s: float) -> None:
+        """Queue the KV of this prefill step's tokens (and, on a request's first chunk, of its
+        prefix-cache hit) on the instance's link, layer by layer."""
+        kv_bytes = self.cost.kv_bytes_per_token
+        sizes, finals = [], []
+        for entry in scheduled:
+            request = entry.request
+            flight = self.flights[request.request_id]
+            end = min(entry.start_pos + entry.num_new_tokens, request.num_prompt_tokens)
+            num_new = max(0, end - flight.kv_sent)
+            flight.kv_sent = max(flight.kv_sent, end)
+            sizes.append(num_new * kv_bytes)
+            finals.append(flight if end == request.num_prompt_tokens else None)
+        for flight, end_s in zip(finals, inst.link.send_layerwise(now, step_s, self.cost.num_layers, sizes)):
+            if flight is not None:
+                flight.transfer_end = end_s
+
+    def _on_step_end(self, inst: StepInstance) -> None:
+        now, out = self.now, inst.out
+        inst.is_busy, inst.out = False, None
+        sampled = {e.request.request_id: DUMMY_TOKEN_ID for e in out.scheduled if e.will_sample}
+        finished = inst.scheduler.update(out, sampled)
+        flights = self.flights
+        if inst.role != "decode":
+            for entry in out.scheduled:
+                request = entry.request
+                if entry.will_sample and len(request.output_token_ids) == 1:
+                    flight = flights[request.request_id]
+                    if flight.first_token is None:
+                        flight.first_token = flight.prefill_end = now
+                        request.record(EventType.PREFILL_END, now)
+                        request.record(EventType.FIRST_TOKEN, now)
+        if self.detail_ids:
+            for rid in self.detail_ids.intersection(sampled):
+                flights[rid].token_times.append(now)
+        for request in finished:
+            flight = flights[request.request_id]
+            if inst.role == "prefill":
+                flight.exposed = max(0.0, flight.transfer_end - now)
+                self._push(max(flight.transfer_end, now), TRANSFER_DONE, flight)
+                if flight.num_output == 1:
+                    self._complete(flight, 1)
+            else:
+                request.record(EventType.FINISHED, now)
+                self._complete(flight, len(request.output_token_ids))
+        self._kick(inst)
+
+    def _complete(self, flight: Flight, num_output: int) -> None:
+        self.recorder.complete(flight, num_output, self.now)
+        rid = flight.request_id
+        for inst in (flight.colocated, flight.decode):
+            if inst is not None:
+                inst.worker.request_ids.discard(rid)
+        del self.flights[rid]
+        self.detail_ids.discard(rid)
+
+    def _on_transfer_done(self, flight: Flight) -> None:
+        rid = flight.request_id
+        prefill, decode = flight.prefill, flight.decode
+        prefill.scheduler.release_transfer(rid)
+        prefill.worker.request_ids.discard(rid)
+        if flight.num_output == 1:
+            decode.scheduler.release_reservation(rid)
+        else:
+            request = Request(rid, flight.prompt, self._sampling(flight.num_output), arrival_time=flight.arrival)
+            request.output_token_ids.append(DUMMY_TOKEN_ID)
+            request.record(EventType.ARRIVED, self.now)
+            decode.scheduler.add_prefilled(request)
+        self._kick(decode)
+        self._kick(prefill)
+
+    # -- encode instances ----------------------------------------------------------------
+    def _kick_encoder(self, enc: EncodeInstance) -> None:
+        if enc.is_busy or not enc.queue:
+            return
+        num = min(len(enc.queue), enc.max_batch_images)
+        enc.batch = [enc.queue.popleft() for _ in range(num)]
+        step_s = enc.cost.time_s(num * self.workload.tiles_per_image)
+        enc.is_busy = True
+        enc.num_steps += 1
+        enc.busy_s += step_s
+        self._push(self.now + step_s, ENCODE_END, enc)
+
+    def _on_encode_end(self, enc: EncodeInstance) -> None:
+        embed_bytes = self.num_image_tokens // self.workload.num_images * self.cost.embed_bytes_per_token
+        for flight, k in enc.batch:
+            self._push(enc.link.send(self.now, embed_bytes), EMBED_DONE, (flight, k))
+            flight.encoders[enc] -= 1
+            if flight.encoders[enc] == 0:
+                del flight.encoders[enc]
+                enc.worker.request_ids.discard(flight.request_id)
+        enc.batch = []
+        enc.is_busy = False
+        self._kick_encoder(enc)
+
+    def _on_embed_done(self, flight: Flight, k: int) -> None:
+        flight.mm_inputs[k].is_ready = True
+        flight.num_pending_images -= 1
+        if flight.num_pending_images == 0:
+            flight.encode_end = self.now
+        self._kick(flight.prefill or flight.colocated)
+
+    # -- summary -------------------------------------------------------------------------
+    def summary(self) -> dict:
+        """Per-role counters and the run's cost, for the result's ``simulator`` section."""
+        roles: dict[str, dict] = {}
+        end = max(self.stats.sim_end_s, 1e-9)
+        for inst in self.instances:
+            r = roles.setdefault(inst.role, {"num_instances": 0, "num_steps": 0, "busy_s": 0.0})
+            r["num_instances"] += 1
+            r["num_steps"] += inst.num_steps
+            r["busy_s"] += inst.busy_s
+            if isinstance(inst, StepInstance):
+                s = inst.scheduler
+                r["num_preemptions"] = r.get("num_preemptions", 0) + s.num_preemptions
+                r["num_computed_prompt_tokens"] = r.get("num_computed_prompt_tokens", 0) + s.num_computed_prompt_tokens
+            if inst.role in ("prefill", "encode"):
+                r["link_bytes"] = r.get("link_bytes", 0) + inst.link.num_bytes
+        for r in roles.values():
+            r["utilization"] = r["busy_s"] / (end * r["num_instances"])
+        return {
+            "topology": self.config.topology.spec,
+            "workload": self.workload.name,
+            "link_bytes_per_s": self.config.link_bytes_per_s,
+            "max_model_len": self.max_model_len,
+            "wall_time_s": self.stats.wall_s,
+            "num_events": self.stats.num_events,
+            "sim_end_s": self.stats.sim_end_s,
+            "roles": roles,
+        }

@@ -1,0 +1,126 @@
+"""Simulated instances and links.
+
+A step instance (colocated, prefill or decode) is the engine's own ``Scheduler`` over the
+engine's own ``KVCacheManager``; only the model run is replaced by the profile's step time.
+An encode instance batches queued images. A link is one FIFO sender (an instance's NIC, or
+the copy thread of a shared-memory push) of fixed bandwidth.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from epdserve.cluster import messages as m
+from epdserve.config import SchedulerConfig
+from epdserve.engine.kv_cache import KVCacheManager, make_group_specs
+from epdserve.engine.scheduler import Scheduler, SchedulerOutput
+from epdserve.router.workers import WorkerInfo
+from epdserve.sim.cost_model import EncodeCost, RoleProfile, StepCost
+
+# Shared-memory push on one host: memcpy into a shared-memory mapping from one thread,
+# 17.1 GB/s measured on the development host (docs/experiments.md, "kv-exposure").
+SHM_BYTES_PER_S = 17.1e9
+
+
+class Link:
+    """One FIFO sender; ``free_at`` is when its last queued byte is out (seconds, sim clock)."""
+
+    __slots__ = ("bytes_per_s", "free_at", "num_bytes")
+
+    def __init__(self, bytes_per_s: float) -> None:
+        if not bytes_per_s > 0:
+            raise ValueError(f"link bandwidth must be > 0, got {bytes_per_s}")
+        self.bytes_per_s = bytes_per_s
+        self.free_at = 0.0
+        self.num_bytes = 0
+
+    def send(self, ready_s: float, num_bytes: int) -> float:
+        """Queue ``num_bytes`` that are ready at ``ready_s``; returns when they are out."""
+        start = self.free_at if self.free_at > ready_s else ready_s
+        self.free_at = start + num_bytes / self.bytes_per_s
+        self.num_bytes += num_bytes
+        return self.free_at
+
+    def send_layerwise(self, step_start: float, step_s: float, num_layers: int, sizes: list[int]) -> list[float]:
+        """Push one prefill step's KV layer by layer; returns when each entry's last layer is out.
+
+        Layer i of the step is computed at ``step_start + (i+1) * step_s / num_layers``; then
+        each entry sends ``size / num_layers`` bytes for that layer, in entry order, as soon as
+        the link is free. With U the link time of one layer (all entries), the end of layer k's
+        sends is e_k = max(e_{k-1}, ready_k) + U, whose closed form is
+        max(free + (k+1) U, start + step/L + (k+1) U, start + (k+1) step/L + U).
+        """
+        total = sum(sizes)
+        if total == 0:
+            return [step_start + step_s] * len(sizes)
+        per_layer_s = total / num_layers / self.bytes_per_s
+        layer_s = step_s / num_layers
+        if num_layers >= 2:
+            k = num_layers - 1  # layers 0 .. N-2 done before the last one starts
+            before_last = max(self.free_at + k * per_layer_s, step_start + layer_s + k * per_layer_s,
+                              step_start + k * layer_s + per_layer_s)
+        else:
+            before_last = self.free_at
+        last_start = max(before_last, step_start + step_s)
+        ends = []
+        sent = 0
+        scale = 1.0 / (num_layers * self.bytes_per_s)
+        for size in sizes:
+            sent += size
+            ends.append(last_start + sent * scale)
+        self.free_at = last_start + per_layer_s
+        self.num_bytes += total
+        return ends
+
+
+class StepInstance:
+    """A colocated, prefill or decode instance: the real scheduler with modelled step times."""
+
+    def __init__(self, worker_id: str, profile: RoleProfile, block_size: int, max_model_len: int,
+                 enable_prefix_caching: bool, max_num_seqs: int | None, link: Link | None, model_name: str) -> None:
+        self.role = profile.name
+        # One full-attention group: block bookkeeping only (byte sizes come from the profile).
+        groups = make_group_specs((None,), num_kv_heads=1, head_dim=1)
+        self.kv_cache = KVCacheManager(groups, profile.num_kv_blocks, block_size, enable_prefix_caching)
+        config = SchedulerConfig(
+            max_num_seqs=max_num_seqs or profile.max_num_seqs,
+            max_num_batched_tokens=profile.max_num_batched_tokens,
+            max_model_len=max_model_len,
+            enable_chunked_prefill=True,
+        )
+        self.scheduler = Scheduler(config, self.kv_cache)
+        self.step_cost: StepCost = profile.step
+        self.link = link  # prefill: where its KV leaves
+        self.worker = WorkerInfo(worker_id, self.role, pid=0, host="sim", model_name=model_name,
+                                 max_model_len=max_model_len, num_kv_blocks=profile.num_kv_blocks,
+                                 block_size=block_size, endpoint=None)
+        self.worker.load = self.load()
+        self.is_busy = False
+        self.out: SchedulerOutput | None = None  # the step in flight
+        self.num_steps = 0
+        self.busy_s = 0.0
+
+    def load(self) -> m.Load:
+        s = self.scheduler
+        return m.Load(s.num_running, s.num_waiting, self.kv_cache.num_free_blocks(), self.kv_cache.num_used_blocks(),
+                      len(s.reserved), len(s.transferring))
+
+
+class EncodeInstance:
+    """A vision encoder: FIFO of (flight, image index), batched by image."""
+
+    def __init__(self, worker_id: str, cost: EncodeCost, max_batch_images: int, link: Link, model_name: str) -> None:
+        self.role = "encode"
+        self.cost = cost
+        self.max_batch_images = max_batch_images
+        self.link = link
+        self.queue: deque = deque()
+        self.batch: list = []
+        self.worker = WorkerInfo(worker_id, "encode", pid=0, host="sim", model_name=model_name,
+                                 max_model_len=0, num_kv_blocks=0, block_size=0, endpoint=None)
+        self.is_busy = False
+        self.num_steps = 0
+        self.busy_s = 0.0
+
+    def load(self) -> m.Load:
+        return m.Load(len(self.batch), len(self.queue), 0, 0)

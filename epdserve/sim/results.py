@@ -1,0 +1,147 @@
+"""Per-request records of a simulation, turned into bench's result (same keys, same metrics).
+
+Each completed request decomposes its TTFT from simulated events (milliseconds)::
+
+    arrived ─encode─▶ embeddings in ─queue─▶ prefill start ─prefill─▶ prefill end ─first token─▶
+    (encode: 0 without images; prefill counts from max(prefill start, embeddings in))
+
+The first token is sampled by the prefill (or colocated) instance and streamed at once, so
+``first_token_ms`` is 0 and the components add up to TTFT. ``exposed_transfer_ms`` is the
+KV transfer still in flight after the prefill step ended: it delays the second token.
+
+Inter-token gaps and per-request ``timing`` objects are kept for every ``detail_every``-th
+request only (all of them up to ``max_detail_requests``), so a million-request run fits in
+memory; TTFT, TPOT and E2E cover every request.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from epdserve.bench.metrics import TTFT_COMPONENTS, RequestOutput, compute_metrics
+from epdserve.bench.report import RunInfo, build_result
+
+
+class Flight:
+    """One request while it is in the simulated cluster (times: seconds, sim clock)."""
+
+    __slots__ = ("index", "request_id", "arrival", "num_prompt", "num_output", "prompt", "first_token",
+                 "prefill_start", "prefill_end", "encode_end", "transfer_end", "exposed", "kv_sent",
+                 "token_times", "colocated", "prefill", "decode", "encoders", "num_pending_images",
+                 "mm_inputs", "num_cached")
+
+    def __init__(self, index: int, arrival: float, num_prompt: int, num_output: int, prompt: list[int]) -> None:
+        self.index = index
+        self.request_id = str(index)
+        self.arrival = arrival
+        self.num_prompt = num_prompt
+        self.num_output = num_output
+        self.prompt = prompt
+        self.first_token = self.prefill_start = self.prefill_end = self.transfer_end = None
+        self.encode_end = arrival
+        self.exposed = 0.0
+        self.kv_sent = 0  # prompt tokens whose KV is queued on the prefill instance's link
+        self.token_times: list[float] | None = None  # detail requests only
+        self.colocated = self.prefill = self.decode = None  # instances
+        self.encoders: dict = {}  # encode instance -> images of this request not yet encoded there
+        self.num_pending_images = 0
+        self.mm_inputs: list = []
+        self.num_cached = 0
+
+
+class Recorder:
+    def __init__(self, num_requests: int, max_detail_requests: int) -> None:
+        n = num_requests
+        self.detail_every = max(1, math.ceil(n / max_detail_requests)) if max_detail_requests > 0 else 0
+        self.is_done = np.zeros(n, dtype=bool)
+        self.is_ok = np.zeros(n, dtype=bool)
+        self.start = np.zeros(n)
+        self.latency = np.zeros(n)
+        self.ttft = np.zeros(n)
+        self.prompt_len = np.zeros(n, dtype=np.int64)
+        self.output_len = np.zeros(n, dtype=np.int64)
+        self.components = {key: np.zeros(n) for key in TTFT_COMPONENTS}
+        self.errors: dict[int, str] = {}
+        self.itls: dict[int, tuple[float, ...]] = {}
+        self.timings: dict[int, dict] = {}
+        self.end_s = 0.0
+
+    def is_detail(self, index: int) -> bool:
+        return self.detail_every > 0 and index % self.detail_every == 0
+
+    def fail(self, index: int, arrival: float, prompt_len: int, error: str, now: float) -> None:
+        self.is_done[index] = True
+        self.start[index] = arrival
+        self.latency[index] = now - arrival
+        self.prompt_len[index] = prompt_len
+        self.errors[index] = error
+        self.end_s = max(self.end_s, now)
+
+    def complete(self, f: Flight, num_output: int, now: float) -> None:
+        i = f.index
+        self.is_done[i] = self.is_ok[i] = True
+        self.start[i] = f.arrival
+        self.latency[i] = now - f.arrival
+        self.ttft[i] = f.first_token - f.arrival
+        self.prompt_len[i] = f.num_prompt
+        self.output_len[i] = num_output
+        ready = f.encode_end
+        start = max(f.prefill_start, ready)
+        parts = {
+            "queue_ms": max(0.0, f.prefill_start - ready) * 1e3,
+            "encode_ms": (ready - f.arrival) * 1e3,
+            "prefill_ms": (f.prefill_end - start) * 1e3,
+            "exposed_transfer_ms": f.exposed * 1e3,
+            "first_token_ms": (f.first_token - f.prefill_end) * 1e3,
+        }
+        for key, value in parts.items():
+            self.components[key][i] = value
+        if f.token_times is not None:
+            times = f.token_times
+            self.itls[i] = tuple(b - a for a, b in zip(times, times[1:]))
+            self.timings[i] = {
+                "arrived": f.arrival, "prefill_start": f.prefill_start, "prefill_end": f.prefill_end,
+                "kv_transfer_end": f.transfer_end or 0.0, "first_token": f.first_token, "finished": now,
+                "num_cached_tokens": f.num_cached, **{k: round(v, 6) for k, v in parts.items()},
+                "ttft_ms": (f.first_token - f.arrival) * 1e3, "e2e_ms": (now - f.arrival) * 1e3,
+            }
+        self.end_s = max(self.end_s, now)
+
+    def outputs(self) -> list[RequestOutput]:
+        out = []
+        for i in range(len(self.is_done)):
+            if not self.is_done[i]:
+                raise RuntimeError(f"request {i} never finished")
+            if self.is_ok[i]:
+                out.append(RequestOutput(True, float(self.start[i]), float(self.latency[i]), float(self.ttft[i]),
+                                         self.itls.get(i, ()), int(self.prompt_len[i]), int(self.output_len[i]),
+                                         "", "", self.timings.get(i)))
+            else:
+                out.append(RequestOutput(False, float(self.start[i]), float(self.latency[i]), 0.0, (),
+                                         int(self.prompt_len[i]), None, "", self.errors[i]))
+        return out
+
+    def ttft_breakdown_ms(self) -> dict[str, dict[str, float]]:
+        """Mean and p99 of each TTFT component over completed requests (bench's shape)."""
+        if not self.is_ok.any():
+            return {}
+        return {key: {"mean": float(np.mean(v[self.is_ok])), "p99": float(np.percentile(v[self.is_ok], 99))}
+                for key, v in self.components.items()}
+
+
+def build_sim_result(recorder: Recorder, model_id: str, request_rate: float, burstiness: float,
+                     percentiles: Sequence[float], goodput_slos_ms: Mapping[str, float] | None,
+                     simulator: Mapping[str, Any]) -> dict[str, Any]:
+    """bench's result dict for the simulated run, plus a ``simulator`` section."""
+    outputs = recorder.outputs()
+    duration = max(recorder.end_s, 1e-9)
+    metrics = compute_metrics(outputs, duration, percentiles, goodput_slos_ms)
+    info = RunInfo(backend="epdserve-sim", model_id=model_id, tokenizer_id=model_id, num_prompts=len(outputs),
+                   request_rate=request_rate, burstiness=burstiness, max_concurrency=None)
+    result = build_result(info, outputs, duration, metrics, ttft_breakdown=recorder.ttft_breakdown_ms())
+    result["simulator"] = {**simulator, "itl_sampled_every": recorder.detail_every}
+    return result
