@@ -99,7 +99,7 @@ def create_app(router: Router, served: ServedModel, api_key: str | None = None) 
     @app.get("/v1/workers")
     async def workers() -> dict:
         return {"object": "list", "mode": router.mode(),
-                "data": [w.as_json() for w in router.registry.workers.values()]}
+                "data": [w.as_json() | router.encode.worker_json(w.worker_id) for w in router.registry.workers.values()]}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:

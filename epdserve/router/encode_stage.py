@@ -187,6 +187,13 @@ class EncodeStage:
         """Whether the path still holds slab space or waits for encoders."""
         return path.mm is not None and bool(path.mm.regions or path.mm.pending_jobs)
 
+    def worker_json(self, worker_id: str) -> dict:
+        """Slab occupancy of a consumer, for ``/v1/workers``; {} for other workers."""
+        allocator = self.allocators.get(worker_id)
+        if allocator is None:
+            return {}
+        return {"embedding_slab": {"num_rows": allocator.num_rows, "num_free_rows": allocator.num_free_rows}}
+
     def _observe_slab(self, worker_id: str) -> None:
         allocator = self.allocators.get(worker_id)
         if allocator is not None:

@@ -46,6 +46,8 @@ class WorkerInfo:
                 "num_used_blocks": load.num_used_blocks,
                 "num_reserved": load.num_reserved,
                 "num_transferring": load.num_transferring,
+                "num_encoder_cache_hits": load.num_encoder_cache_hits,
+                "num_encoder_cache_bytes": load.num_encoder_cache_bytes,
             },
         }
 

@@ -113,10 +113,9 @@ class EmbeddingSlab:
     @classmethod
     def attach(cls, endpoint: SlabEndpoint) -> EmbeddingSlab:
         segment = shared_memory.SharedMemory(name=endpoint.shm_name, create=False)
-        try:  # the owner unlinks the segment, not this process at its exit
+        if f"-{os.getpid()}-" not in endpoint.shm_name:  # created by another process
+            # Its owner unlinks it, not this process's resource tracker at exit.
             resource_tracker.unregister(segment._name, "shared_memory")  # type: ignore[attr-defined]
-        except Exception:
-            pass
         return cls(segment, False, endpoint.num_rows, endpoint.hidden_size, getattr(torch, endpoint.dtype))
 
     @property
