@@ -81,7 +81,7 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     """The dataset flags; shared by ``bench serve`` and ``bench sweep``."""
     d = p.add_argument_group("workload")
     d.add_argument(
-        "--dataset", "--dataset-name", dest="dataset", default="random", help="random, sharegpt, trace"
+        "--dataset", "--dataset-name", dest="dataset", default="random", help="random, random-mm, sharegpt, trace"
     )
     d.add_argument("--dataset-path", default=None, help="ShareGPT JSON file or JSONL trace")
     d.add_argument(
@@ -93,6 +93,10 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     d.add_argument("--random-input-len", type=int, default=1024, help="prompt tokens")
     d.add_argument("--random-output-len", type=int, default=128, help="output tokens")
     d.add_argument("--random-range-ratio", type=float, default=0.0, help="lengths uniform in len*(1 +- R)")
+    d.add_argument("--random-mm-base-items-per-request", type=int, default=1, help="random-mm: images per request")
+    d.add_argument("--random-mm-num-mm-items-range-ratio", type=float, default=0.0,
+                   help="random-mm: images per request uniform in base*(1 +- R)")
+    d.add_argument("--random-mm-resolutions", default="512x512", help="random-mm: image sizes WxH[,WxH...], one drawn per image")
     d.add_argument("--sharegpt-output-len", type=int, default=None, help="fixed output length for sharegpt")
     d.add_argument("--trace-time-scale", type=float, default=1.0, help="multiplies trace timestamps")
     d.add_argument("--trace-length-scale", type=float, default=1.0, help="multiplies trace token lengths")
@@ -159,6 +163,17 @@ def load_workload(ns: argparse.Namespace, tokenizer: BenchTokenizer) -> Workload
         raise BenchError(f"unknown dataset {ns.dataset!r}; choose one of {', '.join(DATASETS)}")
     if ns.num_prompts is not None and ns.num_prompts < 1:
         raise BenchError(f"--num-prompts must be >= 1, got {ns.num_prompts}")
+    if ns.dataset == "random-mm":
+        from epdserve.bench.mm_workloads import parse_resolutions, random_mm_requests
+
+        if not ns.endpoint.rstrip("/").endswith("chat/completions"):
+            raise BenchError("--dataset random-mm sends images: use --endpoint /v1/chat/completions")
+        requests = random_mm_requests(
+            tokenizer, ns.num_prompts or DEFAULT_NUM_PROMPTS, ns.random_input_len, ns.random_output_len,
+            ns.random_range_ratio, ns.seed, ns.random_mm_base_items_per_request,
+            ns.random_mm_num_mm_items_range_ratio, parse_resolutions(ns.random_mm_resolutions),
+        )
+        return Workload(tuple(requests), None)
     if ns.dataset == "random":
         if ns.dataset_path is not None:
             raise BenchError("--dataset random takes no --dataset-path (use sharegpt or trace)")

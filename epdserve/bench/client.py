@@ -74,7 +74,12 @@ def request_body(config: ClientConfig, request: SampleRequest) -> dict[str, Any]
     """The JSON body: ``prompt`` for /v1/completions, one user message for chat."""
     body: dict[str, Any] = {"model": config.model, "max_tokens": request.expected_output_len}
     if config.is_chat:
-        body["messages"] = [{"role": "user", "content": request.prompt}]
+        content: str | list[dict[str, Any]] = request.prompt
+        if request.images:
+            content = [{"type": "text", "text": request.prompt}] + [
+                {"type": "image_url", "image_url": {"url": url}} for url in request.images
+            ]
+        body["messages"] = [{"role": "user", "content": content}]
         body["max_completion_tokens"] = request.expected_output_len
     else:
         body["prompt"] = request.prompt

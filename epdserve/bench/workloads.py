@@ -2,6 +2,7 @@
 
 Datasets (``--dataset``):
 - ``random``: synthetic prompts of sampled token lengths, as vLLM's RandomDataset builds them.
+- ``random-mm``: ``random`` prompts plus synthetic images (``mm_workloads``); chat endpoint.
 - ``sharegpt``: first human turn as the prompt, the reply's length as the output length.
 - ``trace``: a JSONL request trace replayed at its own timestamps (Mooncake-style fields).
 """
@@ -21,7 +22,7 @@ import numpy as np
 
 from epdserve.bench import BenchError
 
-DATASETS = ("random", "sharegpt", "trace")
+DATASETS = ("random", "random-mm", "sharegpt", "trace")
 TRACE_BLOCK_TOKENS = 512  # tokens behind one trace ``hash_ids`` entry (Mooncake traces)
 MAX_LENGTH_RETRIES = 10  # decode/re-encode rounds spent hitting an exact prompt length
 
@@ -31,6 +32,7 @@ class SampleRequest:
     prompt: str
     prompt_len: int  # tokens as counted here; the server's usage.prompt_tokens replaces it when reported
     expected_output_len: int  # tokens; sent as max_tokens
+    images: tuple[str, ...] = ()  # image URLs (data URLs), after the text in one chat message
 
 
 @dataclass(frozen=True)

@@ -119,6 +119,7 @@ def create_app(router: Router, served: ServedModel, api_key: str | None = None) 
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
+        arrived = time.time()  # before images are fetched and checked: that time is queueing too
         try:
             prompt = await build_chat_prompt(body.chat_messages(), served.tokenizer, served.mm_spec, served.image_limits)
             prompt_ids, images = prompt.token_ids, prompt.images
@@ -129,10 +130,10 @@ def create_app(router: Router, served: ServedModel, api_key: str | None = None) 
         top = (body.top_logprobs or 0) if body.logprobs else None
         if body.max_completion_tokens is not None and body.max_tokens is None:
             body.max_tokens = body.max_completion_tokens
-        return await _serve(body, prompt_ids, top, request, chat=True, images=images)
+        return await _serve(body, prompt_ids, top, request, chat=True, images=images, arrived=arrived)
 
     async def _serve(body, prompt_ids: list[int], logprobs: int | None, request: Request, chat: bool,  # noqa: ANN001
-                     images: list[ImageInput] | None = None) -> Response:
+                     images: list[ImageInput] | None = None, arrived: float | None = None) -> Response:
         try:
             _check_model(body.model)
             max_tokens = _check_lengths(prompt_ids, body.max_tokens)
@@ -143,7 +144,7 @@ def create_app(router: Router, served: ServedModel, api_key: str | None = None) 
             return error_response(400, str(e))
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         try:
-            handle = await router.open(request_id, prompt_ids, params, images)
+            handle = await router.open(request_id, prompt_ids, params, images, arrived)
         except Overloaded as e:
             return error_response(e.status, str(e), retry_after=e.retry_after)
         fmt = _Formatter(request_id, served.names[0], chat, served.tokenizer, body.return_timing, params.n)

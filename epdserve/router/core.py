@@ -204,6 +204,7 @@ class Router:
         prompt_token_ids: list[int],
         params: SamplingParams,
         images: list[ImageInput] | None = None,
+        arrived: float | None = None,
     ) -> RequestHandle:
         """Admit a request and start it; raises Overloaded (429/503) when it cannot run now."""
         if len(self.handles) >= self.config.max_pending:
@@ -215,7 +216,7 @@ class Router:
             raise Overloaded("no workers are available", 503, retry_after=5)
         images = images or []
         handle = RequestHandle(request_id, params.n, len(prompt_token_ids))
-        handle.timing.arrived = time.time()
+        handle.timing.arrived = arrived or time.time()  # seconds since the epoch
         handle.timing.num_images = len(images)
         self.handles[request_id] = handle
         try:
