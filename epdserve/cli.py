@@ -121,6 +121,7 @@ def _worker(ns: argparse.Namespace) -> int:
         role=ns.role, router=ns.router, cores=cores, kv_transport=ns.kv_transport, kv_host=ns.kv_host,
         layerwise=not ns.no_layerwise, die_with_parent=ns.die_with_parent,
         stall_kv_transfers=ns.debug_stall_kv_transfers, vision=ns.vision, embed_slab_mb=ns.embed_slab_mb,
+        embed_transport=ns.embed_transport,
         max_batch_images=ns.encode_batch_images, encoder_cache_mb=ns.encoder_cache_mb,
         **({"worker_id": ns.worker_id} if ns.worker_id else {}),
     )
@@ -162,6 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
     wrk.add_argument("--no-layerwise", action="store_true", help="prefill: push KV in bulk after prefill")
     wrk.add_argument("--vision", default=None, help="take images with this vision tower ('default', 'smolvlm-256m'; a VLM checkpoint brings its own)")
     wrk.add_argument("--embed-slab-mb", type=float, default=0.0, help="prefill/colocated: embedding slab for encode workers (0: encode in-process)")
+    wrk.add_argument("--embed-transport", choices=("shm", "tcp"), default="shm", help="how encode workers reach the slab")
     wrk.add_argument("--encode-batch-images", type=int, default=1, help="images per encoder forward pass")
     wrk.add_argument("--encoder-cache-mb", type=float, default=256.0, help="content-hash embedding cache")
     wrk.add_argument("--die-with-parent", action="store_true", help=argparse.SUPPRESS)
@@ -172,6 +174,11 @@ def build_parser() -> argparse.ArgumentParser:
     from epdserve.bench.cli import add_bench_parser
 
     add_bench_parser(sub)
+
+    from epdserve.sim.cli import add_plan_parser, add_simulate_parser
+
+    add_simulate_parser(sub)
+    add_plan_parser(sub)
 
     from epdserve.planner.profile_cli import add_profile_parser
 

@@ -90,15 +90,15 @@ def test_greedy_identical_colocated_e_colocated_epd(e_colocated, tmp_path):
         in_process.wait_all_blocks_free()
     finally:
         stop_server(in_process)
-    epd = start_server(EXACT + ["--encode-workers", "1", "--prefill-workers", "1", "--decode-workers", "1"],
-                       str(tmp_path / "epd"))
-    try:
-        assert greedy(epd) == reference
-        unpipelined_like = chat(epd, chat_body([data_url(d) for d in REQUESTS[1]]))
-        assert unpipelined_like.status_code == 200
-        wait_slabs_free(epd)
-    finally:
-        stop_server(epd)
+    for name, extra in (("epd", []), ("epd_tcp", ["--embed-transport", "tcp", "--kv-transport", "tcp"]),
+                        ("epd_unpipelined", ["--no-encode-pipeline"])):
+        epd = start_server(EXACT + ["--encode-workers", "1", "--prefill-workers", "1", "--decode-workers", "1", *extra],
+                           str(tmp_path / name))
+        try:
+            assert greedy(epd) == reference, name
+            wait_slabs_free(epd)
+        finally:
+            stop_server(epd)
     wait_slabs_free(e_colocated)
 
 
@@ -191,3 +191,13 @@ def test_killing_an_encode_worker_fails_only_its_requests(tmp_path):
         wait_slabs_free(server)
     finally:
         stop_server(server)
+
+
+def test_client_disconnect_mid_encode_frees_slab_space(e_colocated):
+    big = [data_url(image_bytes(200, (1000, 700)))]  # 5 tiles
+    with httpx.stream("POST", f"{e_colocated.url}/v1/chat/completions", timeout=60,
+                      json={**chat_body(big), "stream": True}) as r:
+        assert r.status_code == 200
+        next(r.iter_lines())  # the role chunk: admitted, encoding under way; then hang up
+    wait_slabs_free(e_colocated)
+    assert chat(e_colocated, chat_body([data_url(image_bytes(10))])).status_code == 200

@@ -151,3 +151,31 @@ def test_encoder_cache_is_lru_and_byte_bounded():
     assert cache.num_bytes == 192 and (cache.num_hits, cache.num_misses) == (2, 1)
     cache.put("huge", torch.zeros(100, 4, dtype=torch.float16))  # larger than the cache: skipped
     assert cache.get("huge") is None and len(cache) == 3
+
+
+def test_tcp_slab_lands_only_expected_images():
+    import threading
+
+    from epdserve.transfer.slab_tcp import TcpSlabReceiver, TcpSlabSender
+
+    rows = torch.zeros(8, 4, dtype=torch.bfloat16)
+    landed: list[tuple[str, int]] = []
+    done = threading.Event()
+
+    def on_landed(request_id: str, index: int) -> None:
+        landed.append((request_id, index))
+        done.set()
+
+    receiver = TcpSlabReceiver(rows, on_landed, lambda rid, i: rid == "live", threading.Lock())
+    sender = TcpSlabSender(receiver.host, receiver.port, 8, 4, torch.bfloat16)
+    try:
+        sender.send("dropped", 0, 0, torch.full((2, 4), 5.0))  # an aborted request: read, not written
+        sender.send("live", 1, 2, torch.full((3, 4), 7.0))
+        assert done.wait(5)
+        assert landed == [("live", 1)]
+        assert rows[2:5].eq(7.0).all() and rows[:2].eq(0).all() and rows[5:].eq(0).all()
+        with pytest.raises(ValueError, match="do not fit"):
+            sender.send("live", 2, 7, torch.zeros(2, 4))
+    finally:
+        sender.close()
+        receiver.close()

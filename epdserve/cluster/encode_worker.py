@@ -31,6 +31,7 @@ from epdserve.engine.encoder_runner import EncodeJob, EncodeResult, EncoderRunne
 from epdserve.errors import ConfigError
 from epdserve.models.multimodal import load_multimodal_spec, load_vision_encoder
 from epdserve.transfer.slab import EmbeddingSlab
+from epdserve.transfer.slab_tcp import TcpSlabSender
 
 log = logging.getLogger("epdserve.encode")
 
@@ -68,7 +69,7 @@ class EncodeWorker:
         self.spec = load_multimodal_spec(opts.model, opts.vision)
         encoder = load_vision_encoder(opts.model, dtype, device, vision=opts.vision, seed=opts.seed)
         self.runner = EncoderRunner(encoder, self.spec.policy, opts.cache_bytes)
-        self.slabs: dict[str, EmbeddingSlab] = {}
+        self.slabs: dict[str, EmbeddingSlab | TcpSlabSender] = {}  # consumer id -> its slab (shm) or link (tcp)
         self.queue: deque[m.EncodeImage] = deque()
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
@@ -134,7 +135,13 @@ class EncodeWorker:
             if old is not None:
                 old.close()
             try:
-                self.slabs[msg.worker_id] = EmbeddingSlab.attach(msg.slab)
+                slab = msg.slab
+                if slab.transport == "tcp":
+                    self.slabs[msg.worker_id] = TcpSlabSender(
+                        slab.host, slab.port, slab.num_rows, slab.hidden_size, getattr(torch, slab.dtype)
+                    )
+                else:
+                    self.slabs[msg.worker_id] = EmbeddingSlab.attach(slab)
             except (OSError, ValueError) as e:  # its jobs then fail one by one
                 log.warning("cannot map the slab of %s: %s", msg.worker_id, e)
         elif isinstance(msg, m.PeerDown):
@@ -163,13 +170,18 @@ class EncodeWorker:
                 continue
             write_start = time.perf_counter()
             try:
-                slab.region(job.slab_offset, job.num_rows).copy_(result.rows)
-            except ValueError as e:
-                self._reply(job, False, result=result, reason=str(e))
+                if isinstance(slab, TcpSlabSender):
+                    num_bytes = slab.send(job.request_id, job.image_index, job.slab_offset, result.rows)
+                else:
+                    slab.region(job.slab_offset, job.num_rows).copy_(result.rows)
+                    num_bytes = result.rows.numel() * slab.rows.element_size()
+            except (ValueError, OSError) as e:
+                if isinstance(e, OSError):
+                    self.slabs.pop(job.target, None)
+                    slab.close()
+                self._reply(job, False, result=result, reason=f"cannot write the embedding: {e}")
                 continue
-            write_s = time.perf_counter() - write_start
-            num_bytes = result.rows.numel() * slab.rows.element_size()
-            self._reply(job, True, result=result, write_s=write_s, num_bytes=num_bytes)
+            self._reply(job, True, result=result, write_s=time.perf_counter() - write_start, num_bytes=num_bytes)
         self._num_busy = 0
 
     def _reply(self, job: m.EncodeImage, ok: bool, result: EncodeResult | None = None, write_s: float = 0.0,

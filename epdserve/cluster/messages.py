@@ -36,8 +36,10 @@ class KVEndpoint(msgspec.Struct, omit_defaults=True):
 class SlabEndpoint(msgspec.Struct, omit_defaults=True):
     """A consumer's embedding slab (registered at start-up): rows of ``hidden_size`` elements."""
 
-    transport: str  # "shm"
+    transport: str  # "shm" | "tcp"
     shm_name: str = ""
+    host: str = ""
+    port: int = 0
     num_rows: int = 0
     hidden_size: int = 0
     dtype: str = ""
@@ -153,6 +155,13 @@ class RequestFailed(Msg):
     message: str
 
 
+class EmbeddingLanded(Msg):
+    """Consumer (TCP slab): image ``image_index`` of the request has landed in its slab."""
+
+    request_id: str
+    image_index: int
+
+
 class EncodeDone(Msg):
     """Encode worker: one image's embedding is in the consumer's slab (or failed)."""
 
@@ -248,7 +257,7 @@ class Shutdown(Msg):
 
 
 Message = Union[
-    Register, Heartbeat, Outputs, Reserved, TransferDone, RequestFailed, EncodeDone,
+    Register, Heartbeat, Outputs, Reserved, TransferDone, RequestFailed, EncodeDone, EmbeddingLanded,
     Submit, Reserve, StartDecode, Abort, PeerUp, PeerDown, Shutdown, EncodeImage, EmbeddingReady, SlabUp,
 ]
 

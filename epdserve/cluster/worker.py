@@ -35,6 +35,7 @@ from epdserve.sampling import SamplingParams
 from epdserve.transfer.connector import KVPusher
 from epdserve.transfer.shm_pool import SharedKVPool
 from epdserve.transfer.slab import EmbeddingSlab
+from epdserve.transfer.slab_tcp import TcpSlabReceiver
 from epdserve.transfer.tcp import TcpKVReceiver
 
 ROLES = ("colocated", "prefill", "decode")
@@ -58,6 +59,7 @@ class WorkerOptions:
     # takes embeddings from encode workers; without one it encodes images itself.
     vision: str | None = None
     embed_slab_mb: float = 0.0
+    embed_transport: str = "shm"  # how encode workers reach the slab: shm (same host) or tcp
     max_batch_images: int = 1  # in-process encoder: images per forward pass
     encoder_cache_mb: float = 256.0
 
@@ -66,6 +68,8 @@ class WorkerOptions:
             raise EpdserveError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
         if self.kv_transport not in ("shm", "tcp"):
             raise EpdserveError(f"kv transport must be shm or tcp, got {self.kv_transport!r}")
+        if self.embed_transport not in ("shm", "tcp"):
+            raise EpdserveError(f"embedding transport must be shm or tcp, got {self.embed_transport!r}")
 
 
 def _die_with_parent() -> None:
@@ -109,6 +113,11 @@ class Worker:
             self.endpoint = self._decode_endpoint()
         self.mm_spec = None
         self.slab: EmbeddingSlab | None = None
+        self.slab_rows: torch.Tensor | None = None  # [num_rows, hidden]: the shm slab or a private one (tcp)
+        self.slab_endpoint: m.SlabEndpoint | None = None
+        self.slab_receiver: TcpSlabReceiver | None = None
+        self._slab_lock = threading.Lock()  # TCP landings vs aborts
+        self._landed_images: list[tuple[str, int]] = []
         self.encoder: EncoderRunner | None = None
         self._inline_jobs: deque[tuple[str, int, EncodeJob]] = deque()
         self._encode_times: dict[str, list[float]] = {}  # request -> [start, end, cache hits]
@@ -137,9 +146,21 @@ class Worker:
         self.mm_spec = load_multimodal_spec(engine_args.model, self.opts.vision)
         dtype = self.engine.runner.kv_caches[0].dtype
         if self.opts.embed_slab_mb > 0:
+            hidden = self.mm_spec.hidden_size
             itemsize = torch.tensor([], dtype=dtype).element_size()
-            num_rows = max(1, int(self.opts.embed_slab_mb * (1 << 20)) // (self.mm_spec.hidden_size * itemsize))
-            self.slab = EmbeddingSlab.create(num_rows, self.mm_spec.hidden_size, dtype)
+            num_rows = max(1, int(self.opts.embed_slab_mb * (1 << 20)) // (hidden * itemsize))
+            if self.opts.embed_transport == "shm":
+                self.slab = EmbeddingSlab.create(num_rows, hidden, dtype)
+                self.slab_rows, self.slab_endpoint = self.slab.rows, self.slab.endpoint()
+            else:
+                self.slab_rows = torch.zeros(num_rows, hidden, dtype=dtype)
+                self.slab_receiver = TcpSlabReceiver(
+                    self.slab_rows, self._on_image_landed, self._accepts_image, self._slab_lock, self.opts.kv_host
+                )
+                self.slab_endpoint = m.SlabEndpoint(
+                    "tcp", host=self.slab_receiver.host, port=self.slab_receiver.port, num_rows=num_rows,
+                    hidden_size=hidden, dtype=str(dtype).removeprefix("torch."),
+                )
         else:
             encoder = load_vision_encoder(engine_args.model, dtype, self.engine.runner.device,
                                           vision=self.opts.vision, seed=engine_args.seed)
@@ -171,7 +192,7 @@ class Worker:
             worker_id=self.opts.worker_id, role=self.opts.role, pid=os.getpid(), host=socket.gethostname(),
             model_name=self.engine.loaded.spec.name, max_model_len=cfg.scheduler.max_model_len,
             num_kv_blocks=cfg.cache.num_blocks, block_size=cfg.cache.block_size, kv_endpoint=self.endpoint,
-            slab=self.slab.endpoint() if self.slab is not None else None, can_encode=self.encoder is not None,
+            slab=self.slab_endpoint, can_encode=self.encoder is not None,
         )
 
     def load(self) -> m.Load:
@@ -215,6 +236,7 @@ class Worker:
                     ready = dict(poller.poll(timeout_ms))
                     if self._landed_fd in ready:
                         os.eventfd_read(self._landed_fd)
+                        self._mark_landed_images()
                     if self.sock not in ready:
                         break
                     self._handle(m.decode(self.sock.recv()))
@@ -265,7 +287,10 @@ class Worker:
                     self._inline_jobs = deque(j for j in self._inline_jobs if j[0] != msg.request_id)
                 self._encode_times.pop(msg.request_id, None)
                 self._reserved_at.pop(msg.request_id, None)
-                engine.abort(msg.request_id)
+                with self._slab_lock:  # no TCP embedding lands for it after this
+                    engine.abort(msg.request_id)
+                if self.slab_receiver is not None:  # tell the router, which frees the slab rows then
+                    self.sock.send(m.encode(m.EmbeddingLanded(msg.request_id, -1)))
                 if self.opts.role == "prefill":
                     # Confirms, even for a request never seen, that from here on nothing is
                     # written into the decode worker's blocks for it.
@@ -301,13 +326,30 @@ class Worker:
                 raise InvalidRequestError(f"image span at {ref.offset} does not match the prompt")
             mm = MMInput(ref.offset, ref.length, ref.num_embeds, ref.content_hash, positions)
             if ref.slab_offset >= 0:
-                if self.slab is None:
-                    raise InvalidRequestError("this worker has no embedding slab")
-                mm.embeds = self.slab.region(ref.slab_offset, ref.num_embeds)
+                if self.slab_rows is None or ref.slab_offset + ref.num_embeds > self.slab_rows.shape[0]:
+                    raise InvalidRequestError("image rows lie outside this worker's embedding slab")
+                mm.embeds = self.slab_rows[ref.slab_offset : ref.slab_offset + ref.num_embeds]
             elif self.encoder is None:
                 raise InvalidRequestError("this worker has no vision encoder; images need encode workers")
             mm_inputs.append(mm)
         return mm_inputs
+
+    def _accepts_image(self, request_id: str, image_index: int) -> bool:
+        """Receiver thread (under ``_slab_lock``): whether this image's rows may land now."""
+        mm_inputs = self.engine.mm_inputs(request_id)
+        return mm_inputs is not None and 0 <= image_index < len(mm_inputs) and not mm_inputs[image_index].is_ready
+
+    def _on_image_landed(self, request_id: str, image_index: int) -> None:
+        with self._slab_lock:
+            self._landed_images.append((request_id, image_index))
+        os.eventfd_write(self._landed_fd, 1)
+
+    def _mark_landed_images(self) -> None:
+        with self._slab_lock:
+            landed, self._landed_images = self._landed_images, []
+        for request_id, image_index in landed:
+            if self.engine.mark_image_ready(request_id, image_index):
+                self.sock.send(m.encode(m.EmbeddingLanded(request_id, image_index)))
 
     def _queue_inline(self, msg: m.Submit) -> None:
         for index, ref in enumerate(msg.images):
@@ -398,7 +440,10 @@ class Worker:
             self.engine.runner.kv_caches = []
             self.pool.close()
             self.pool = None
+        if self.slab_receiver is not None:
+            self.slab_receiver.close()
         if self.slab is not None:
+            self.slab_rows = None
             self.slab.close()
             self.slab = None
         self.sock.close()

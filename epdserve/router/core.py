@@ -425,6 +425,8 @@ class Router:
             self._on_transfer_done(msg)
         elif isinstance(msg, m.EncodeDone):
             self.encode.on_encode_done(sender, msg)
+        elif isinstance(msg, m.EmbeddingLanded):
+            self.encode.on_embedding_landed(msg)
         elif isinstance(msg, m.RequestFailed):
             path = self.paths.get(msg.request_id)
             if path is not None:

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from epdserve.router.images import ImageInput
     from epdserve.router.workers import WorkerInfo
 
+NOTHING_MORE_LANDS = -1  # EmbeddingLanded.image_index: the consumer dropped the request
 AFFINITY_SLACK = 2  # jobs an encoder may have beyond the least loaded and still get its images
 
 
@@ -39,7 +40,9 @@ class PathImages:
     consumer: str
     regions: list[SlabRegion] = field(default_factory=list)
     pending_jobs: dict[int, str] = field(default_factory=dict)  # image index -> encode worker
+    sent_indices: set[int] = field(default_factory=set)  # TCP: sent by the encoder, not yet landed
     is_consumer_done: bool = False
+    is_consumer_closed: bool = False  # TCP: the consumer confirmed that nothing more lands
 
 
 class EncodeStage:
@@ -80,6 +83,11 @@ class EncodeStage:
         if worker.worker_id in self.allocators:  # its slab went with it
             del self.allocators[worker.worker_id]
             self.slabs.pop(worker.worker_id, None)
+            for path in list(self.router.paths.values()):
+                if path.mm is not None and path.mm.consumer == worker.worker_id:
+                    path.mm.pending_jobs.clear()  # nothing will land; late writes hit a dead slab
+                    path.mm.regions = []
+                    self.router.forget_if_idle(path)
             for encoder in self.router.registry.ready("encode"):
                 self.router._post(encoder.worker_id, m.PeerDown(worker.worker_id))
 
@@ -143,8 +151,15 @@ class EncodeStage:
         router = self.router
         self.jobs_per_encoder.get(sender, set()).discard((msg.request_id, msg.image_index))
         path = router.paths.get(msg.request_id)
-        if path is None or path.mm is None or path.mm.pending_jobs.pop(msg.image_index, None) is None:
+        if path is None or path.mm is None or msg.image_index not in path.mm.pending_jobs:
             return
+        is_tcp = self._transport(path.mm.consumer) == "tcp"
+        if msg.ok and is_tcp and not path.mm.is_consumer_closed:
+            # Sent is not landed: the job ends when the consumer reports the landing (or that
+            # it takes no more for this request).
+            path.mm.sent_indices.add(msg.image_index)
+        else:
+            del path.mm.pending_jobs[msg.image_index]
         timing = path.handle.timing
         if msg.ok:
             timing.encode_start = min(timing.encode_start or msg.encode_start, msg.encode_start)
@@ -154,11 +169,31 @@ class EncodeStage:
             router.metrics.embedding_bytes.inc(msg.num_bytes)
             router.metrics.encode_time.observe(max(0.0, msg.encode_end - msg.encode_start))
             router.metrics.encoder_cache_hits.inc(int(msg.is_cache_hit))
-            if not path.done:
+            if not path.done and not is_tcp:
                 router._post(path.mm.consumer, m.EmbeddingReady(path.path_id, msg.image_index))
         elif not path.done:
             router._fail(path, f"image {msg.image_index} could not be encoded: {msg.reason}")
         self.maybe_free(path)
+
+    def on_embedding_landed(self, msg: m.EmbeddingLanded) -> None:
+        """An image landed in a TCP slab; index -1: the consumer dropped the request and lands
+        nothing more of it."""
+        path = self.router.paths.get(msg.request_id)
+        if path is None or path.mm is None:
+            return
+        mm = path.mm
+        if msg.image_index == NOTHING_MORE_LANDS:
+            mm.is_consumer_closed = True
+            for index in mm.sent_indices:
+                mm.pending_jobs.pop(index, None)
+        else:
+            mm.pending_jobs.pop(msg.image_index, None)
+        mm.sent_indices.discard(msg.image_index)
+        self.maybe_free(path)
+
+    def _transport(self, consumer: str) -> str:
+        slab = self.slabs.get(consumer)
+        return slab.transport if slab is not None else "shm"
 
     def on_consumer_done(self, path: Path) -> None:
         if path.mm is not None and not path.mm.is_consumer_done:
@@ -182,6 +217,7 @@ class EncodeStage:
                 allocator.free(region)
             self._observe_slab(mm.consumer)
         mm.regions = []
+        self.router.forget_if_idle(path)
 
     def is_holding(self, path: Path) -> bool:
         """Whether the path still holds slab space or waits for encoders."""

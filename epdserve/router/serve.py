@@ -42,6 +42,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     v.add_argument("--no-encode-pipeline", action="store_true",
                    help="prefill waits for all of a request's images (default: starts as they arrive)")
     v.add_argument("--embed-slab-mb", type=float, default=64.0, help="embedding slab per prefill/colocated worker")
+    v.add_argument("--embed-transport", choices=("shm", "tcp"), default="shm",
+                   help="how encode workers write slabs: shared memory (one host) or TCP (across hosts)")
     v.add_argument("--encode-batch-images", type=int, default=1, help="images per encoder forward pass")
     v.add_argument("--encoder-cache-mb", type=float, default=256.0, help="content-hash embedding cache per encoder")
     v.add_argument("--max-images-per-request", type=int, default=16)
@@ -110,7 +112,8 @@ def vision_args(ns: argparse.Namespace, is_vlm_checkpoint: bool) -> tuple[str | 
         return None, [], []
     common = ["--vision", vision, "--encode-batch-images", str(ns.encode_batch_images),
               "--encoder-cache-mb", str(ns.encoder_cache_mb)]
-    consumer = common + (["--embed-slab-mb", str(ns.embed_slab_mb)] if ns.encode_workers else [])
+    slab = ["--embed-slab-mb", str(ns.embed_slab_mb), "--embed-transport", ns.embed_transport]
+    consumer = common + (slab if ns.encode_workers else [])
     return vision, consumer, common
 
 

@@ -1,0 +1,128 @@
+"""Embedding slabs over TCP, for encode workers on another host.
+
+The consumer keeps its slab in its own memory and listens; each encode worker holds one
+persistent connection to it. One frame per image::
+
+    | u32 header length | msgpack SlabFrame | rows x hidden payload (the slab's dtype) |
+
+The receiver lands a frame only if the consumer still expects that image (``accepts``, checked
+under the consumer's lock, which its abort also takes): a frame of an aborted request is read
+and dropped, never written into rows that may have been given to another request.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+import threading
+from collections.abc import Callable
+
+import msgspec
+import torch
+
+from epdserve.transfer.tcp import _recv_exact
+
+_HEADER = struct.Struct("!I")
+
+
+class SlabFrame(msgspec.Struct, array_like=True):
+    request_id: str
+    image_index: int
+    row_offset: int
+    num_rows: int
+    num_payload_bytes: int
+
+
+class TcpSlabReceiver:
+    """Consumer side: accepts encode workers' connections and lands frames into ``rows``."""
+
+    def __init__(
+        self,
+        rows: torch.Tensor,
+        on_landed: Callable[[str, int], None],
+        accepts: Callable[[str, int], bool],
+        lock: threading.Lock,
+        host: str = "127.0.0.1",
+    ) -> None:
+        self.rows = rows  # [num_rows, hidden]
+        self.on_landed = on_landed
+        self.accepts = accepts
+        self.lock = lock
+        self._listener = socket.create_server((host, 0))
+        self.host, self.port = self._listener.getsockname()[:2]
+        self._closed = False
+        self._decoder = msgspec.msgpack.Decoder(SlabFrame)
+        threading.Thread(target=self._accept_loop, name="slab-accept", daemon=True).start()
+
+    def _accept_loop(self) -> None:
+        while not self._closed:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            threading.Thread(target=self._serve, args=(conn,), name="slab-recv", daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        header_len = bytearray(_HEADER.size)
+        num_rows, hidden = self.rows.shape
+        row_bytes = hidden * self.rows.element_size()
+        with conn:
+            while True:
+                if not _recv_exact(conn, memoryview(header_len)):
+                    return
+                (n,) = _HEADER.unpack(header_len)
+                raw = bytearray(n)
+                if not _recv_exact(conn, memoryview(raw)):
+                    return
+                frame = self._decoder.decode(raw)
+                payload = bytearray(frame.num_payload_bytes)
+                if not _recv_exact(conn, memoryview(payload)):
+                    return
+                end = frame.row_offset + frame.num_rows
+                if frame.row_offset < 0 or end > num_rows or frame.num_payload_bytes != frame.num_rows * row_bytes:
+                    return  # a malformed frame: drop the connection, the sender's jobs fail
+                data = torch.frombuffer(payload, dtype=self.rows.dtype).view(frame.num_rows, hidden)
+                with self.lock:
+                    if not self.accepts(frame.request_id, frame.image_index):
+                        continue
+                    self.rows[frame.row_offset : end].copy_(data)
+                self.on_landed(frame.request_id, frame.image_index)
+
+    def close(self) -> None:
+        self._closed = True
+        try:
+            self._listener.close()
+        except OSError:
+            pass
+
+
+class TcpSlabSender:
+    """Encode side: one connection to one consumer; ``send`` returns when the bytes are sent."""
+
+    def __init__(self, host: str, port: int, num_rows: int, hidden_size: int, dtype: torch.dtype,
+                 connect_timeout: float = 5.0) -> None:
+        self._sock = socket.create_connection((host, port), timeout=connect_timeout)
+        self._sock.settimeout(None)
+        self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.num_rows = num_rows
+        self.hidden_size = hidden_size
+        self.dtype = dtype
+        self._encoder = msgspec.msgpack.Encoder()
+
+    def send(self, request_id: str, image_index: int, row_offset: int, rows: torch.Tensor) -> int:
+        """Write ``rows`` [n, hidden] at ``row_offset`` of the consumer's slab; returns bytes sent.
+        Raises ValueError for rows outside the slab, OSError when the connection fails."""
+        if row_offset < 0 or row_offset + rows.shape[0] > self.num_rows or rows.shape[1] != self.hidden_size:
+            raise ValueError(f"rows {row_offset}..{row_offset + rows.shape[0]} do not fit the slab")
+        data = rows.to(self.dtype).contiguous().view(-1).view(torch.uint8).numpy()
+        header = self._encoder.encode(SlabFrame(request_id, image_index, row_offset, rows.shape[0], data.nbytes))
+        self._sock.sendall(_HEADER.pack(len(header)) + header)
+        self._sock.sendall(memoryview(data))
+        return data.nbytes
+
+    def close(self) -> None:
+        try:
+            self._sock.close()
+        except OSError:
+            pass
