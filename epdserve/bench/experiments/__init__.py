@@ -23,6 +23,8 @@ EXPERIMENTS = {
                     "KV hand-off time left on the critical path: shm/tcp x layer-wise/bulk by prompt length"),
     "handoff-paths": ("epdserve.bench.experiments.handoff_paths",
                       "pickle vs shared memory vs a registered slab for 37 MB / 8.4 MB bf16 tensors"),
+    "epd": ("epdserve.bench.experiments.epd",
+            "image TTFT: colocated vs E/P/D vs E/P/D without pipelining, one small image vs 8 per request"),
 }
 DEFAULT_OUT_ROOT = "out"
 EXIT_BENCH_ERROR = 2
