@@ -1,0 +1,412 @@
+"""Step time of each role on this machine, measured on the real runner, and the fitted cost model.
+
+A probe builds the engine for the model once and times ``ModelRunner.execute`` on synthetic
+``SchedulerOutput`` steps whose block tables come from the real ``KVCacheManager``: the exact
+step a worker runs, without the scheduler deciding its shape. Each role runs with the threads
+its worker gets (``torch.set_num_threads`` and core pinning, restored afterwards):
+
+    colocated  2 threads   prefill chunks, decode batches and mixed steps (decodes + a chunk)
+    prefill    1 thread    prefill chunks (one or several prompts per step)
+    decode     1 thread    decode batches x context lengths
+    encode     1 thread    vision tower, 1..8 tiles of 512 x 512
+
+A point is timed after one warm-up run, ``min_repeats`` .. ``max_repeats`` times (until
+``min_time_s`` has passed), and its median kept. The samples are fitted per role with
+``StepCost.fit``; the file keeps samples and fit quality next to the coefficients.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import math
+import os
+import platform
+import random
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+from types import ModuleType
+
+import numpy as np
+import torch
+
+from epdserve.config import EngineArgs, resolve_device_name, resolve_dtype_name
+from epdserve.engine.engine import LLMEngine
+from epdserve.engine.scheduler import ScheduledRequest, SchedulerOutput
+from epdserve.errors import ConfigError
+from epdserve.request import Request
+from epdserve.sampling import SamplingParams
+from epdserve.sim.cost_model import (
+    PROFILE_VERSION,
+    STEP_ROLES,
+    CostModel,
+    EncodeCost,
+    RoleProfile,
+    StepCost,
+    StepShape,
+)
+
+ROLES = (*STEP_ROLES, "encode")
+DEFAULT_THREADS = {"colocated": 2, "prefill": 1, "decode": 1, "encode": 1}  # one worker's cores here
+FIRST_TOKEN_ID = 100  # synthetic prompts use ids above the special tokens
+REMEASURE_ERROR = 0.05  # a point the fit misses by more than this (relative) is timed again
+REMEASURE_SHARE = 0.25  # at most this share of a role's points
+
+
+@dataclass(frozen=True)
+class StepPoint:
+    """One step to time: prefill entries (context already cached, new tokens) and decode entries."""
+
+    prefills: tuple[tuple[int, int], ...] = ()  # (start_pos, num_new_tokens) per prompt
+    num_decode_seqs: int = 0
+    decode_context: int = 0  # tokens of every decode entry's context (start_pos + 1)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.prefills) + self.num_decode_seqs
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.prefills) + self.num_decode_seqs
+
+    @property
+    def max_len(self) -> int:
+        return max([s + n for s, n in self.prefills] + [self.decode_context])
+
+    @property
+    def num_kv_tokens(self) -> int:
+        return sum(s + n for s, n in self.prefills) + self.num_decode_seqs * self.decode_context
+
+
+@dataclass(frozen=True)
+class ProfileGrid:
+    """What to measure. Points that exceed a role's limits (batched tokens, sequences, model
+    length, ``max_kv_tokens``) are skipped."""
+
+    prefill_chunks: tuple[int, ...]  # one prompt's chunk at context 0
+    context_chunks: tuple[int, ...]  # chunks measured again at each of prefill_contexts
+    prefill_contexts: tuple[int, ...]
+    batched_prefills: tuple[tuple[int, int], ...]  # (prompts, tokens each) in one step
+    decode_batches: tuple[int, ...]
+    decode_contexts: tuple[int, ...]
+    mixed: tuple[tuple[int, int, int], ...]  # colocated: (decode seqs, their context, chunk at context 0)
+    encoder_tiles: tuple[int, ...]
+    max_kv_tokens: int  # KV tokens one step may hold (sizes the probe's cache)
+    min_repeats: int
+    max_repeats: int
+    min_time_s: float  # keep repeating (up to max_repeats) until this much time is spent
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_repeats <= self.max_repeats:
+            raise ConfigError("profile grid needs 1 <= min_repeats <= max_repeats")
+
+    def prefill_points(self) -> list[StepPoint]:
+        points = [StepPoint(((0, n),)) for n in self.prefill_chunks]
+        points += [StepPoint(((c, n),)) for c in self.prefill_contexts for n in self.context_chunks]
+        points += [StepPoint(((0, n),) * k) for k, n in self.batched_prefills]
+        return points
+
+    def decode_points(self) -> list[StepPoint]:
+        return [StepPoint((), b, c) for b in self.decode_batches for c in self.decode_contexts]
+
+    def mixed_points(self) -> list[StepPoint]:
+        return [StepPoint(((0, n),), b, c) for b, c, n in self.mixed]
+
+    def points(self, role: str, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int) -> list[StepPoint]:
+        """The steps to time for a step role, within its limits."""
+        chosen = {
+            "prefill": self.prefill_points(),
+            "decode": self.decode_points(),
+            "colocated": self.prefill_points() + self.decode_points() + self.mixed_points(),
+        }[role]
+        return [
+            p for p in chosen
+            if p.num_tokens <= max_num_batched_tokens and p.num_seqs <= max_num_seqs
+            and p.max_len < max_model_len and p.num_kv_tokens <= self.max_kv_tokens
+        ]
+
+
+FULL_GRID = ProfileGrid(
+    prefill_chunks=(16, 32, 64, 128, 192, 256, 384, 512, 1024, 2048),
+    context_chunks=(32, 128, 512),
+    prefill_contexts=(256, 1024, 2048),
+    batched_prefills=((2, 64), (2, 256), (4, 128), (8, 256), (3, 512)),
+    decode_batches=(1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128),
+    decode_contexts=(64, 256, 512, 1024, 2048),
+    mixed=tuple((b, c, n) for b in (2, 8, 16, 32) for c in (256, 1024) for n in (32, 128, 512)),
+    encoder_tiles=(1, 2, 4, 8),
+    max_kv_tokens=65536,
+    min_repeats=3,
+    max_repeats=7,
+    min_time_s=0.3,
+)
+QUICK_GRID = ProfileGrid(
+    prefill_chunks=(8, 32, 64),
+    context_chunks=(16,),
+    prefill_contexts=(64,),
+    batched_prefills=((2, 16),),
+    decode_batches=(1, 4),
+    decode_contexts=(16, 64),
+    mixed=((2, 64, 16),),
+    encoder_tiles=(1, 2),
+    max_kv_tokens=1024,
+    min_repeats=1,
+    max_repeats=2,
+    min_time_s=0.0,
+)
+
+
+def role_cores(num_threads: int) -> tuple[int, ...]:
+    """The cores a worker with ``num_threads`` threads is pinned to (the first ones, as
+    ``cluster.local.assign_cores`` gives the first worker)."""
+    cores = sorted(os.sched_getaffinity(0))
+    return tuple(cores[i % len(cores)] for i in range(num_threads))
+
+
+@contextlib.contextmanager
+def worker_threads(num_threads: int) -> Iterator[None]:
+    """Run the body as a worker with ``num_threads`` threads pinned to its cores, then restore."""
+    old_threads, old_affinity = torch.get_num_threads(), os.sched_getaffinity(0)
+    os.sched_setaffinity(0, role_cores(num_threads))
+    torch.set_num_threads(num_threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old_threads)
+        os.sched_setaffinity(0, old_affinity)
+
+
+def median_time_s(run: Callable[[], object], grid: ProfileGrid) -> float:
+    """Median wall time of ``run`` after one warm-up call (seconds, ``time.perf_counter``)."""
+    run()
+    times: list[float] = []
+    spent = 0.0
+    while len(times) < grid.min_repeats or (spent < grid.min_time_s and len(times) < grid.max_repeats):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+        spent += times[-1]
+    return statistics.median(times)
+
+
+class StepProbe:
+    """Times synthetic steps on one engine's runner; blocks are taken from and returned to the
+    engine's KV cache manager around every point."""
+
+    def __init__(self, engine: LLMEngine, seed: int = 0) -> None:
+        self.engine = engine
+        self._rng = random.Random(seed)
+        self._ids = itertools.count()
+        self._params = SamplingParams(max_tokens=1 << 20, ignore_eos=True)
+        self._vocab_size = engine.loaded.spec.vocab_size
+
+    def _entry(self, start_pos: int, num_new: int, is_decode: bool) -> ScheduledRequest:
+        request_id = f"probe-{next(self._ids)}"
+        tokens = [self._rng.randrange(FIRST_TOKEN_ID, self._vocab_size) for _ in range(start_pos + num_new)]
+        request = Request(request_id, tokens[:-1] if is_decode else tokens, self._params)
+        if is_decode:  # its last token is an output token: the entry decodes
+            request.output_token_ids.append(tokens[-1])
+        if not self.engine.kv_cache.allocate(request_id, 0, start_pos + num_new):
+            raise ConfigError(f"probe KV cache too small for a step of {start_pos + num_new} tokens")
+        return ScheduledRequest(request, start_pos, num_new, self.engine.kv_cache.block_tables(request_id), True)
+
+    def build(self, point: StepPoint) -> SchedulerOutput:
+        entries = [self._entry(s, n, is_decode=False) for s, n in point.prefills]
+        entries += [self._entry(point.decode_context - 1, 1, is_decode=True) for _ in range(point.num_decode_seqs)]
+        return SchedulerOutput(entries)
+
+    def release(self, plan: SchedulerOutput) -> None:
+        for entry in plan.scheduled:
+            self.engine.kv_cache.free(entry.request.request_id)
+            self.engine.runner.release(entry.request.request_id)
+
+    def measure(self, point: StepPoint, grid: ProfileGrid) -> tuple[StepShape, float]:
+        plan = self.build(point)
+        try:
+            return StepShape.from_scheduler_output(plan), median_time_s(lambda: self.engine.runner.execute(plan), grid)
+        finally:
+            self.release(plan)
+
+
+@dataclass(frozen=True)
+class ProfileTarget:
+    """What to profile: the engine options the workers will serve with, the roles and their threads."""
+
+    args: EngineArgs
+    roles: tuple[str, ...]
+    num_threads: dict[str, int]  # per role
+    grid: ProfileGrid
+
+    def __post_init__(self) -> None:
+        if not self.roles:
+            raise ConfigError(f"no role given; roles: {', '.join(ROLES)}")
+        for role in self.roles:
+            if role not in ROLES:
+                raise ConfigError(f"unknown role {role!r}; roles: {', '.join(ROLES)}")
+            if self.num_threads.get(role, 0) < 1:
+                raise ConfigError(f"role {role!r} needs at least 1 thread")
+
+
+class Profiler:
+    """Loads the model once, then measures every role of a ``ProfileTarget`` into a ``CostModel``."""
+
+    def __init__(self, target: ProfileTarget) -> None:
+        self.target = target
+        # The probe's KV pool holds the grid's largest step; the profile records the pool the
+        # serving options give a worker.
+        num_probe_blocks = -(-target.grid.max_kv_tokens // target.args.block_size) + 64
+        self.engine = LLMEngine(replace(target.args, num_kv_blocks=num_probe_blocks, enable_prefix_caching=False))
+        self.probe = StepProbe(self.engine, target.args.seed)
+        bytes_per_block = self.engine.runner.kv_cache_bytes // num_probe_blocks
+        spec = self.engine.loaded.spec
+        self.serving = target.args.resolve(spec.max_position_embeddings, bytes_per_block)
+        self.kv_bytes_per_token = bytes_per_block // target.args.block_size
+        sched = self.serving.scheduler
+        self.points = {
+            role: target.grid.points(role, sched.max_num_batched_tokens, sched.max_num_seqs, sched.max_model_len)
+            for role in target.roles if role in STEP_ROLES
+        }
+        self.encoder = load_encoder(target.args) if "encode" in target.roles else None
+
+    @property
+    def num_points(self) -> int:
+        """Progress ticks of ``run``: every point, the re-measure budget, every encoder batch."""
+        num_tiles = len(self.target.grid.encoder_tiles) if self.encoder is not None else 0
+        return sum(len(p) + num_remeasured(len(p)) for p in self.points.values()) + num_tiles
+
+    def measure_role(self, role: str, tick: Callable[[], None]) -> RoleProfile:
+        """Time the role's points with its threads and fit its step cost.
+
+        Other processes on the cores only ever add time, so the points the first fit misses
+        most (relative error above ``REMEASURE_ERROR``, at most ``REMEASURE_SHARE`` of them)
+        are timed once more and keep the faster median before the final fit.
+        """
+        points = self.points[role]
+        grid = self.target.grid
+        with worker_threads(self.target.num_threads[role]):
+            samples = []
+            for point in points:
+                samples.append(self.probe.measure(point, grid))
+                tick()
+            cost, _ = StepCost.fit(samples)
+            worst = worst_fitted(samples, cost, num_remeasured(len(points)))
+            for i in worst:
+                shape, time_s = self.probe.measure(points[i], grid)
+                samples[i] = (shape, min(time_s, samples[i][1]))
+                tick()
+            for _ in range(num_remeasured(len(points)) - len(worst)):
+                tick()
+        cost, fit = StepCost.fit(samples)
+        fit = {**fit, "num_remeasured": len(worst)}
+        sched = self.serving.scheduler
+        return RoleProfile(
+            name=role, num_threads=self.target.num_threads[role], num_kv_blocks=self.serving.cache.num_blocks,
+            max_num_seqs=sched.max_num_seqs, max_num_batched_tokens=sched.max_num_batched_tokens,
+            step=cost, fit=fit, samples=tuple({**s.to_dict(), "time_s": t} for s, t in samples),
+        )
+
+    def run(self, tick: Callable[[], None] = lambda: None) -> CostModel:
+        roles = {role: self.measure_role(role, tick) for role in self.points}
+        encode, embed_bytes = None, None
+        if self.encoder is not None:
+            with worker_threads(self.target.num_threads["encode"]):
+                encode, embed_bytes = self.encoder.measure(self.target.grid, self.target.num_threads["encode"], tick)
+        spec = self.engine.loaded.spec
+        raw = {
+            "version": PROFILE_VERSION,
+            "device": self.serving.device,
+            "host": host_info(),
+            "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        }
+        return CostModel(
+            model=spec.name, dtype=self.serving.dtype, block_size=self.serving.cache.block_size,
+            kv_bytes_per_token=self.kv_bytes_per_token, embed_bytes_per_token=embed_bytes,
+            num_layers=spec.num_layers, roles=roles, encode=encode, raw=raw,
+        )
+
+
+def num_remeasured(num_points: int) -> int:
+    """How many of a role's points may be timed a second time."""
+    return math.ceil(REMEASURE_SHARE * num_points)
+
+
+def worst_fitted(samples: list[tuple[StepShape, float]], cost: StepCost, max_count: int) -> list[int]:
+    """Indices of the samples ``cost`` misses by more than ``REMEASURE_ERROR``, worst first."""
+    errors = [abs(cost.time_s(shape) - t) / t for shape, t in samples]
+    order = sorted(range(len(samples)), key=lambda i: -errors[i])
+    return [i for i in order[:max_count] if errors[i] > REMEASURE_ERROR]
+
+
+def host_info() -> dict:
+    """CPU model and the cores this process may use."""
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
+    except OSError:
+        pass
+    return {"cpu": model, "num_cores": len(os.sched_getaffinity(0))}
+
+
+def load_encoder(args: EngineArgs) -> EncoderProbe:
+    """The vision tower's probe; ConfigError when this build has no vision encoder."""
+    try:
+        from epdserve.models import multimodal
+    except ImportError:
+        raise ConfigError(
+            "the encode role needs the vision encoder (epdserve.models.multimodal), which is not available; "
+            "profile without it: --roles colocated,prefill,decode"
+        ) from None
+    return EncoderProbe(multimodal, args)
+
+
+def encoder_available() -> bool:
+    """True when the vision encoder can be imported (the default roles then include encode)."""
+    try:
+        from epdserve.models import multimodal  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+class EncoderProbe:
+    """Times the vision tower (+ connector) on batches of random 512 x 512 tiles."""
+
+    def __init__(self, multimodal: ModuleType, args: EngineArgs) -> None:
+        dtype = getattr(torch, resolve_dtype_name(args.dtype))
+        device = torch.device(resolve_device_name(args.device))
+        self.spec = multimodal.load_multimodal_spec(args.model)
+        self.encoder = multimodal.load_vision_encoder(args.model, dtype, device, seed=args.seed)
+        self._encode_images = multimodal.encode_images
+        self._dtype_bytes = torch.tensor([], dtype=dtype).element_size()
+
+    def measure(self, grid: ProfileGrid, num_threads: int, tick: Callable[[], None]) -> tuple[EncodeCost, int]:
+        """The fitted encoder cost and the bytes of one embedding row (text hidden x dtype)."""
+        size = self.spec.vision.image_size
+        generator = torch.Generator().manual_seed(0)
+        samples = []
+        for num_tiles in grid.encoder_tiles:
+            pixels = torch.rand(num_tiles, 3, size, size, generator=generator) * 2 - 1  # normalised range
+            samples.append((num_tiles, median_time_s(lambda: self._encode_images(self.encoder, [pixels]), grid)))
+            tick()
+        base_s, per_tile_s = fit_line(samples)
+        cost = EncodeCost(
+            num_threads=num_threads, tokens_per_tile=self.spec.vision.tokens_per_tile, base_s=base_s,
+            per_tile_s=per_tile_s, samples=tuple({"num_tiles": n, "time_s": t} for n, t in samples),
+        )
+        return cost, self.spec.hidden_size * self._dtype_bytes
+
+
+def fit_line(samples: list[tuple[int, float]]) -> tuple[float, float]:
+    """Least-squares ``t = base + slope * x`` with both terms >= 0."""
+    x = np.array([n for n, _ in samples], dtype=np.float64)
+    y = np.array([t for _, t in samples], dtype=np.float64)
+    if len(set(x.tolist())) > 1:
+        slope, base = np.polyfit(x, y, 1)
+        if slope >= 0 and base >= 0:
+            return float(base), float(slope)
+        if slope < 0:
+            return float(max(y.mean(), 0.0)), 0.0
+    return 0.0, float(max((x @ y) / (x @ x), 0.0))
