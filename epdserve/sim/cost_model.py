@@ -126,17 +126,22 @@ class StepCost:
 
     @staticmethod
     def fit(samples: Sequence[tuple[StepShape, float]]) -> tuple[StepCost, dict]:
-        """Non-negative least squares of measured step times on the shape terms.
+        """Non-negative least squares of measured step times on the shape terms, in relative
+        terms: each sample's residual is divided by its time, so a 15 ms decode step counts as
+        much as a 3 s prefill (absolute residuals would fit the long steps only), and a sample
+        slowed by other work on the machine weighs at most 1.
 
         Returns the coefficients and ``{"r2", "mean_abs_rel_error", "num_samples"}``.
         """
         _require(len(samples) >= 1, "cannot fit a step cost to zero samples")
         x = np.array([shape.features() for shape, _ in samples], dtype=np.float64)
         y = np.array([t for _, t in samples], dtype=np.float64)
+        weights = 1.0 / np.where(y > 0, y, 1.0)
+        xw, yw = x * weights[:, None], y * weights
         # Columns span ~10 orders of magnitude (1 vs attention pairs): solve on unit columns.
-        scale = np.linalg.norm(x, axis=0)
+        scale = np.linalg.norm(xw, axis=0)
         scale[scale == 0] = 1.0
-        coef = _nnls(x / scale, y) / scale
+        coef = _nnls(xw / scale, yw) / scale
         cost = StepCost(*(float(c) for c in coef))
         pred = x @ coef
         ss_res = float(np.sum((y - pred) ** 2))
