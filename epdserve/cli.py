@@ -161,7 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
     wrk.add_argument("--kv-transport", choices=("shm", "tcp"), default="shm", help="decode: how prefill reaches its KV pages")
     wrk.add_argument("--kv-host", default="127.0.0.1", help="decode + tcp: address of the KV listener")
     wrk.add_argument("--no-layerwise", action="store_true", help="prefill: push KV in bulk after prefill")
-    wrk.add_argument("--vision", default=None, help="take images with this vision tower ('default', 'smolvlm-256m'; a VLM checkpoint brings its own)")
+    wrk.add_argument("--vision", default=None, help="take images with this vision tower: 'default' or 'smolvlm-256m' (seeded), 'checkpoint' (the model directory's own)")
     wrk.add_argument("--embed-slab-mb", type=float, default=0.0, help="prefill/colocated: embedding slab for encode workers (0: encode in-process)")
     wrk.add_argument("--embed-transport", choices=("shm", "tcp"), default="shm", help="how encode workers reach the slab")
     wrk.add_argument("--encode-batch-images", type=int, default=1, help="images per encoder forward pass")

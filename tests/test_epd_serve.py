@@ -201,3 +201,30 @@ def test_client_disconnect_mid_encode_frees_slab_space(e_colocated):
         next(r.iter_lines())  # the role chunk: admitted, encoding under way; then hang up
     wait_slabs_free(e_colocated)
     assert chat(e_colocated, chat_body([data_url(image_bytes(10))])).status_code == 200
+
+
+def test_vlm_checkpoint_serves_identically_in_process_and_split(tmp_path):
+    """A real (tiny, random) Idefics3 checkpoint directory: its own tower, connector, image
+    tokens and a chat template that iterates content parts."""
+    from tiny_vlm import write_tiny_vlm
+
+    model_dir = tmp_path / "tiny-vlm"
+    model_dir.mkdir()
+    write_tiny_vlm(model_dir)
+    common = ["--model", str(model_dir), "--dtype", "float32", "--max-model-len", "512", "--kv-cache-memory", "0.05"]
+    body = {**chat_body([data_url(image_bytes(1)), data_url(image_bytes(2, (300, 200)))], logprobs=True),
+            "model": "tiny-vlm", "max_tokens": 6}
+    outputs = []
+    for name, flags in (("in_process", ["--colocated-workers", "1", "--cores-per-worker", "2"]),
+                        ("epd", ["--encode-workers", "1", "--prefill-workers", "1", "--decode-workers", "1"])):
+        server = start_server(common + flags, str(tmp_path / name))
+        try:
+            r = chat(server, body)
+            assert r.status_code == 200, r.text
+            outputs.append([t["token"] for t in r.json()["choices"][0]["logprobs"]["content"]])
+            assert r.json()["timing"]["num_images"] == 2
+            if name == "epd":
+                wait_slabs_free(server)
+        finally:
+            stop_server(server)
+    assert outputs[0] == outputs[1] and len(outputs[0]) == 6

@@ -49,6 +49,7 @@ IMAGE_TOKEN = "<image>"
 FAKE_TOKEN = "<fake_token_around_image>"
 GLOBAL_IMAGE_TOKEN = "<global-img>"
 VISION_WEIGHT_PREFIXES = ("model.vision_model.", "model.connector.")
+CHECKPOINT_TOWER = "checkpoint"  # ``vision`` naming the model directory's own tower
 TILES_PER_EDGE = 4  # default policy: longest edge = 4 tiles (2048 px for 512-px tiles)
 
 
@@ -202,6 +203,12 @@ def _resolve(
     """The spec and, when the tower's weights exist, the directory holding them."""
     info = load_model_info(model)
     checkpoint = _idefics3_dir(model)
+    if vision == CHECKPOINT_TOWER:
+        if checkpoint is None:
+            raise ModelLoadError(
+                f"model {model or 'default'!r} has no vision weights; name a seeded tower (--vision default)"
+            )
+        vision = None
     hidden_size = info.spec.hidden_size
     if checkpoint is None and info.spec.architecture not in ("llama", "qwen2", "qwen3"):
         name = model or "default"

@@ -103,27 +103,44 @@ def _image_url(part: dict) -> str:
     return url
 
 
+def _render(tokenizer: Tokenizer, text_messages: list[dict], part_messages: list[dict], num_images: int) -> list[str]:
+    """The rendered prompt split at the images: string content first, then content parts."""
+    try:
+        segments = tokenizer.apply_chat_template(text_messages).split(_SENTINEL)
+    except InvalidRequestError:
+        segments = []
+    if len(segments) == num_images + 1 and "".join(segments).strip():
+        return segments
+    segments = tokenizer.apply_chat_template(part_messages).split(_SENTINEL)
+    if len(segments) != num_images + 1:
+        raise InvalidRequestError("the model's chat template does not keep every image of these messages")
+    return segments
+
+
 async def build_chat_prompt(
     messages: list[dict], tokenizer: Tokenizer, spec: MultimodalSpec | None, limits: ImageLimits
 ) -> ChatPrompt:
     """Render ``messages`` (OpenAI chat messages as dicts) into token ids and checked images."""
     urls: list[str] = []
-    text_messages = []
+    text_messages = []  # content as one string: most chat templates
+    part_messages = []  # content as text parts: templates that iterate parts (SmolVLM's)
     for message in messages:
         content = message.get("content")
+        parts = [{"type": "text", "text": content or ""}]
         if isinstance(content, list):
-            pieces = []
+            parts = []
             for part in content:
                 kind = part.get("type") if isinstance(part, dict) else None
                 if kind == "text":
-                    pieces.append(str(part.get("text", "")))
+                    parts.append({"type": "text", "text": str(part.get("text", ""))})
                 elif kind == "image_url":
                     urls.append(_image_url(part))
-                    pieces.append(_SENTINEL)
+                    parts.append({"type": "text", "text": _SENTINEL})
                 else:
                     raise InvalidRequestError(f"content part of type {kind!r} is not supported")
-            content = "".join(pieces)
+            content = "".join(p["text"] for p in parts)
         text_messages.append({"role": message["role"], "content": content or ""})
+        part_messages.append({"role": message["role"], "content": parts})
     if urls and spec is None:
         raise InvalidRequestError(
             "this server does not take images; start it with --vision or --encode-workers"
@@ -134,10 +151,7 @@ async def build_chat_prompt(
         )
     files = [await load_image_bytes(url, limits) for url in urls]
     grids = await asyncio.gather(*(asyncio.to_thread(probe_image, data, spec.policy) for data in files)) if files else []
-    text = tokenizer.apply_chat_template(text_messages)
-    segments = text.split(_SENTINEL)
-    if len(segments) != len(files) + 1:
-        raise InvalidRequestError("the model's chat template does not keep every image of these messages")
+    segments = _render(tokenizer, text_messages, part_messages, len(files))
     token_ids: list[int] = []
     images: list[ImageInput] = []
     for index, segment in enumerate(segments):

@@ -107,7 +107,12 @@ def is_vlm_checkpoint(model: str | None) -> bool:
 def vision_args(ns: argparse.Namespace, is_vlm_checkpoint: bool) -> tuple[str | None, list[str], list[str]]:
     """The vision tower to serve (None: text only), and the extra flags of consumer and
     encode workers."""
-    vision = ns.vision or ("default" if ns.encode_workers or is_vlm_checkpoint else None)
+    if ns.vision is not None:
+        vision = ns.vision
+    elif is_vlm_checkpoint:
+        vision = "checkpoint"  # the directory's own tower and connector
+    else:
+        vision = "default" if ns.encode_workers else None
     if vision is None:
         return None, [], []
     common = ["--vision", vision, "--encode-batch-images", str(ns.encode_batch_images),
