@@ -559,7 +559,9 @@ class Router:
 
     def _transfer_failed(self, path: Path, reason: str) -> None:
         decode = self.registry.get(path.decode) if path.decode else None
-        if self.config.transfer_policy == "recompute" and decode is not None and decode.is_ready:
+        # A prompt with images cannot be recomputed by a decode worker (it has no embeddings).
+        if (self.config.transfer_policy == "recompute" and decode is not None and decode.is_ready
+                and path.mm is None):
             # The decode worker computes the prompt itself and continues after the first token.
             # Same id: the abort releases the reservation before the new request arrives.
             path.phase = "decoding"
