@@ -10,10 +10,11 @@ import sys
 
 import pytest
 
-from epdserve.planner.profile import FULL_GRID, QUICK_GRID, StepPoint, fit_line, worst_fitted
+from epdserve.engine.scheduler import ScheduledRequest, SchedulerOutput
+from epdserve.planner.profile import fit_line, worst_fitted
+from epdserve.planner.profile_grid import FULL_GRID, QUICK_GRID, StepPoint
 from epdserve.request import Request
 from epdserve.sampling import SamplingParams
-from epdserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 from epdserve.sim.cost_model import CostModel, StepCost, StepShape
 
 CLI_TIMEOUT_S = 300

@@ -27,15 +27,18 @@ import statistics
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
+from functools import partial
 from types import ModuleType
 
 import numpy as np
 import torch
 
+from epdserve.bench.experiments.report import cpu_busy_share
 from epdserve.config import EngineArgs, resolve_device_name, resolve_dtype_name
 from epdserve.engine.engine import LLMEngine
 from epdserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 from epdserve.errors import ConfigError
+from epdserve.planner.profile_grid import ProfileGrid, StepPoint
 from epdserve.request import Request
 from epdserve.sampling import SamplingParams
 from epdserve.sim.cost_model import (
@@ -53,109 +56,6 @@ DEFAULT_THREADS = {"colocated": 2, "prefill": 1, "decode": 1, "encode": 1}  # on
 FIRST_TOKEN_ID = 100  # synthetic prompts use ids above the special tokens
 REMEASURE_ERROR = 0.05  # a point the fit misses by more than this (relative) is timed again
 REMEASURE_SHARE = 0.25  # at most this share of a role's points
-
-
-@dataclass(frozen=True)
-class StepPoint:
-    """One step to time: prefill entries (context already cached, new tokens) and decode entries."""
-
-    prefills: tuple[tuple[int, int], ...] = ()  # (start_pos, num_new_tokens) per prompt
-    num_decode_seqs: int = 0
-    decode_context: int = 0  # tokens of every decode entry's context (start_pos + 1)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(n for _, n in self.prefills) + self.num_decode_seqs
-
-    @property
-    def num_seqs(self) -> int:
-        return len(self.prefills) + self.num_decode_seqs
-
-    @property
-    def max_len(self) -> int:
-        return max([s + n for s, n in self.prefills] + [self.decode_context])
-
-    @property
-    def num_kv_tokens(self) -> int:
-        return sum(s + n for s, n in self.prefills) + self.num_decode_seqs * self.decode_context
-
-
-@dataclass(frozen=True)
-class ProfileGrid:
-    """What to measure. Points that exceed a role's limits (batched tokens, sequences, model
-    length, ``max_kv_tokens``) are skipped."""
-
-    prefill_chunks: tuple[int, ...]  # one prompt's chunk at context 0
-    context_chunks: tuple[int, ...]  # chunks measured again at each of prefill_contexts
-    prefill_contexts: tuple[int, ...]
-    batched_prefills: tuple[tuple[int, int], ...]  # (prompts, tokens each) in one step
-    decode_batches: tuple[int, ...]
-    decode_contexts: tuple[int, ...]
-    mixed: tuple[tuple[int, int, int], ...]  # colocated: (decode seqs, their context, chunk at context 0)
-    encoder_tiles: tuple[int, ...]
-    max_kv_tokens: int  # KV tokens one step may hold (sizes the probe's cache)
-    min_repeats: int
-    max_repeats: int
-    min_time_s: float  # keep repeating (up to max_repeats) until this much time is spent
-
-    def __post_init__(self) -> None:
-        if not 1 <= self.min_repeats <= self.max_repeats:
-            raise ConfigError("profile grid needs 1 <= min_repeats <= max_repeats")
-
-    def prefill_points(self) -> list[StepPoint]:
-        points = [StepPoint(((0, n),)) for n in self.prefill_chunks]
-        points += [StepPoint(((c, n),)) for c in self.prefill_contexts for n in self.context_chunks]
-        points += [StepPoint(((0, n),) * k) for k, n in self.batched_prefills]
-        return points
-
-    def decode_points(self) -> list[StepPoint]:
-        return [StepPoint((), b, c) for b in self.decode_batches for c in self.decode_contexts]
-
-    def mixed_points(self) -> list[StepPoint]:
-        return [StepPoint(((0, n),), b, c) for b, c, n in self.mixed]
-
-    def points(self, role: str, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int) -> list[StepPoint]:
-        """The steps to time for a step role, within its limits."""
-        chosen = {
-            "prefill": self.prefill_points(),
-            "decode": self.decode_points(),
-            "colocated": self.prefill_points() + self.decode_points() + self.mixed_points(),
-        }[role]
-        return [
-            p for p in chosen
-            if p.num_tokens <= max_num_batched_tokens and p.num_seqs <= max_num_seqs
-            and p.max_len < max_model_len and p.num_kv_tokens <= self.max_kv_tokens
-        ]
-
-
-FULL_GRID = ProfileGrid(
-    prefill_chunks=(16, 32, 64, 128, 192, 256, 384, 512, 1024, 2048),
-    context_chunks=(32, 128, 512),
-    prefill_contexts=(256, 1024, 2048),
-    batched_prefills=((2, 64), (2, 256), (4, 128), (8, 256), (3, 512)),
-    decode_batches=(1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128),
-    decode_contexts=(64, 256, 512, 1024, 2048),
-    mixed=tuple((b, c, n) for b in (2, 8, 16, 32) for c in (256, 1024) for n in (32, 128, 512)),
-    encoder_tiles=(1, 2, 4, 8),
-    max_kv_tokens=65536,
-    min_repeats=3,
-    max_repeats=7,
-    min_time_s=0.3,
-)
-QUICK_GRID = ProfileGrid(
-    prefill_chunks=(8, 32, 64),
-    context_chunks=(16,),
-    prefill_contexts=(64,),
-    batched_prefills=((2, 16),),
-    decode_batches=(1, 4),
-    decode_contexts=(16, 64),
-    mixed=((2, 64, 16),),
-    encoder_tiles=(1, 2),
-    max_kv_tokens=1024,
-    min_repeats=1,
-    max_repeats=2,
-    min_time_s=0.0,
-)
 
 
 def role_cores(num_threads: int) -> tuple[int, ...]:
@@ -285,6 +185,7 @@ class Profiler:
         """
         points = self.points[role]
         grid = self.target.grid
+        start = time.perf_counter()
         with worker_threads(self.target.num_threads[role]):
             samples = []
             for point in points:
@@ -299,7 +200,7 @@ class Profiler:
             for _ in range(num_remeasured(len(points)) - len(worst)):
                 tick()
         cost, fit = StepCost.fit(samples)
-        fit = {**fit, "num_remeasured": len(worst)}
+        fit = {**fit, "num_remeasured": len(worst), "measure_s": time.perf_counter() - start}
         sched = self.serving.scheduler
         return RoleProfile(
             name=role, num_threads=self.target.num_threads[role], num_kv_blocks=self.serving.cache.num_blocks,
@@ -308,6 +209,9 @@ class Profiler:
         )
 
     def run(self, tick: Callable[[], None] = lambda: None) -> CostModel:
+        """Measure every role; the host record notes how busy other work kept the CPUs just
+        before (it inflates every timing)."""
+        host = {**host_info(), "busy_share_at_start": cpu_busy_share()}
         roles = {role: self.measure_role(role, tick) for role in self.points}
         encode, embed_bytes = None, None
         if self.encoder is not None:
@@ -317,7 +221,7 @@ class Profiler:
         raw = {
             "version": PROFILE_VERSION,
             "device": self.serving.device,
-            "host": host_info(),
+            "host": host,
             "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }
         return CostModel(
@@ -388,8 +292,8 @@ class EncoderProbe:
         generator = torch.Generator().manual_seed(0)
         samples = []
         for num_tiles in grid.encoder_tiles:
-            pixels = torch.rand(num_tiles, 3, size, size, generator=generator) * 2 - 1  # normalised range
-            samples.append((num_tiles, median_time_s(lambda: self._encode_images(self.encoder, [pixels]), grid)))
+            batch = [torch.rand(num_tiles, 3, size, size, generator=generator) * 2 - 1]  # normalised range
+            samples.append((num_tiles, median_time_s(partial(self._encode_images, self.encoder, batch), grid)))
             tick()
         base_s, per_tile_s = fit_line(samples)
         cost = EncodeCost(

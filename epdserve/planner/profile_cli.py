@@ -18,6 +18,7 @@ from epdserve.errors import ConfigError
 
 SUMMARY_CHUNK = 512  # prefill tokens/s is reported for chunks of this many tokens at context 0
 SUMMARY_DECODE = (16, 512)  # decode step time is reported for this batch size and context
+BUSY_WARNING_SHARE = 0.1  # warn when other work used more CPU than this just before profiling
 
 
 def add_profile_parser(
@@ -118,7 +119,8 @@ def run_profile_command(ns: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from epdserve.cli import engine_args_from
-    from epdserve.planner.profile import FULL_GRID, QUICK_GRID, Profiler, ProfileTarget
+    from epdserve.planner.profile import Profiler, ProfileTarget
+    from epdserve.planner.profile_grid import FULL_GRID, QUICK_GRID
 
     roles = parse_roles(ns.roles)
     threads = parse_threads(ns.threads)
@@ -132,5 +134,9 @@ def run_profile_command(ns: argparse.Namespace) -> int:
     except OSError as e:
         raise ConfigError(f"cannot write {ns.out}: {e.strerror}") from None
     print(format_summary(model))
+    busy = model.raw.get("host", {}).get("busy_share_at_start", 0.0)
+    if busy > BUSY_WARNING_SHARE:
+        print(f"warning: other work kept the CPUs {100 * busy:.0f} % busy just before profiling; "
+              "step times may be inflated (profile again on an idle machine)")
     print(f"wrote {ns.out}")
     return 0
