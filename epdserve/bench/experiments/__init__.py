@@ -25,6 +25,8 @@ EXPERIMENTS = {
                       "pickle vs shared memory vs a registered slab for 37 MB / 8.4 MB bf16 tensors"),
     "epd": ("epdserve.bench.experiments.epd",
             "image TTFT: colocated vs E/P/D vs E/P/D without pipelining, one small image vs 8 per request"),
+    "ratio": ("epdserve.bench.experiments.ratio",
+              "goodput at SLO of every two-core topology, measured, against what epdserve plan predicted and chose"),
 }
 DEFAULT_OUT_ROOT = "out"
 EXIT_BENCH_ERROR = 2
