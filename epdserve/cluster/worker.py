@@ -19,23 +19,19 @@ import socket
 import threading
 import time
 import uuid
-from collections import deque
 from dataclasses import asdict, dataclass, field
 
 import torch
 import zmq
 
 from epdserve.cluster import messages as m
+from epdserve.cluster.worker_images import ConsumerImages, ImageOptions
 from epdserve.config import EngineArgs
-from epdserve.engine.encoder_runner import EncodeJob, EncoderRunner
 from epdserve.engine.engine import LLMEngine, RequestOutput
 from epdserve.errors import EpdserveError, InvalidRequestError
-from epdserve.request import MMInput
 from epdserve.sampling import SamplingParams
 from epdserve.transfer.connector import KVPusher
 from epdserve.transfer.shm_pool import SharedKVPool
-from epdserve.transfer.slab import EmbeddingSlab
-from epdserve.transfer.slab_tcp import TcpSlabReceiver
 from epdserve.transfer.tcp import TcpKVReceiver
 
 ROLES = ("colocated", "prefill", "decode")
@@ -111,18 +107,12 @@ class Worker:
         self._reserved_at: dict[str, float] = {}
         if opts.role == "decode":
             self.endpoint = self._decode_endpoint()
-        self.mm_spec = None
-        self.slab: EmbeddingSlab | None = None
-        self.slab_rows: torch.Tensor | None = None  # [num_rows, hidden]: the shm slab or a private one (tcp)
-        self.slab_endpoint: m.SlabEndpoint | None = None
-        self.slab_receiver: TcpSlabReceiver | None = None
-        self._slab_lock = threading.Lock()  # TCP landings vs aborts
-        self._landed_images: list[tuple[str, int]] = []
-        self.encoder: EncoderRunner | None = None
-        self._inline_jobs: deque[tuple[str, int, EncodeJob]] = deque()
-        self._encode_times: dict[str, list[float]] = {}  # request -> [start, end, cache hits]
+        self.images: ConsumerImages | None = None
         if opts.vision is not None and opts.role in ("colocated", "prefill"):
-            self._init_images(engine_args)
+            image_opts = ImageOptions(opts.vision, opts.embed_slab_mb, opts.embed_transport, opts.kv_host,
+                                      opts.max_batch_images, opts.encoder_cache_mb)
+            self.images = ConsumerImages(image_opts, self.engine, engine_args.model, engine_args.seed,
+                                         lambda: os.eventfd_write(self._landed_fd, 1))
         if opts.role == "prefill":
             runner = self.engine.runner
             runner.pusher = KVPusher(runner.kv_caches, runner.layer_to_group, runner.block_size, opts.layerwise)
@@ -139,32 +129,6 @@ class Worker:
         num_blocks, block_size = shapes[0][1], shapes[0][2]
         self.pool = SharedKVPool.create(num_blocks, block_size, [s[3:] for s in shapes], dtype)
         return self.pool.layers
-
-    def _init_images(self, engine_args: EngineArgs) -> None:
-        from epdserve.models.multimodal import load_multimodal_spec, load_vision_encoder
-
-        self.mm_spec = load_multimodal_spec(engine_args.model, self.opts.vision)
-        dtype = self.engine.runner.kv_caches[0].dtype
-        if self.opts.embed_slab_mb > 0:
-            hidden = self.mm_spec.hidden_size
-            itemsize = torch.tensor([], dtype=dtype).element_size()
-            num_rows = max(1, int(self.opts.embed_slab_mb * (1 << 20)) // (hidden * itemsize))
-            if self.opts.embed_transport == "shm":
-                self.slab = EmbeddingSlab.create(num_rows, hidden, dtype)
-                self.slab_rows, self.slab_endpoint = self.slab.rows, self.slab.endpoint()
-            else:
-                self.slab_rows = torch.zeros(num_rows, hidden, dtype=dtype)
-                self.slab_receiver = TcpSlabReceiver(
-                    self.slab_rows, self._on_image_landed, self._accepts_image, self._slab_lock, self.opts.kv_host
-                )
-                self.slab_endpoint = m.SlabEndpoint(
-                    "tcp", host=self.slab_receiver.host, port=self.slab_receiver.port, num_rows=num_rows,
-                    hidden_size=hidden, dtype=str(dtype).removeprefix("torch."),
-                )
-        else:
-            encoder = load_vision_encoder(engine_args.model, dtype, self.engine.runner.device,
-                                          vision=self.opts.vision, seed=engine_args.seed)
-            self.encoder = EncoderRunner(encoder, self.mm_spec.policy, int(self.opts.encoder_cache_mb * (1 << 20)))
 
     def _decode_endpoint(self) -> m.KVEndpoint:
         if self.pool is not None:
@@ -192,7 +156,8 @@ class Worker:
             worker_id=self.opts.worker_id, role=self.opts.role, pid=os.getpid(), host=socket.gethostname(),
             model_name=self.engine.loaded.spec.name, max_model_len=cfg.scheduler.max_model_len,
             num_kv_blocks=cfg.cache.num_blocks, block_size=cfg.cache.block_size, kv_endpoint=self.endpoint,
-            slab=self.slab_endpoint, can_encode=self.encoder is not None,
+            slab=self.images.endpoint if self.images else None,
+            can_encode=self.images is not None and self.images.can_encode,
         )
 
     def load(self) -> m.Load:
@@ -230,13 +195,15 @@ class Worker:
             while not self._stop.is_set():
                 # Idle (or only waiting for KV to land or leave): sleep until a message or a
                 # landing wakes the loop; the timeout bounds how stale transfer polls get.
-                busy = (self.engine.has_unfinished() and self.engine.last_num_scheduled > 0) or bool(self._inline_jobs)
+                # A step that scheduled nothing waits for images: sleep until one arrives.
+                encoding = self.images is not None and self.images.has_inline_jobs
+                busy = (self.engine.has_unfinished() and self.engine.last_num_scheduled > 0) or encoding
                 timeout_ms = 0 if busy else (5 if self.engine.scheduler.transferring else 100)
                 while True:
                     ready = dict(poller.poll(timeout_ms))
                     if self._landed_fd in ready:
                         os.eventfd_read(self._landed_fd)
-                        self._mark_landed_images()
+                        self._report_landed_images()
                     if self.sock not in ready:
                         break
                     self._handle(m.decode(self.sock.recv()))
@@ -244,8 +211,9 @@ class Worker:
                     if self._stop.is_set():
                         return 0
                 self._start_landed()
-                if self._inline_jobs:
-                    self._encode_inline()
+                if self.images is not None and self.images.has_inline_jobs:
+                    for request_id, error in self.images.encode_inline():
+                        self.sock.send(m.encode(m.RequestFailed(request_id, error)))
                 if self.engine.has_unfinished():
                     self._send_outputs(self.engine.step())
                 self._report_transfers()
@@ -259,7 +227,11 @@ class Worker:
         try:
             if isinstance(msg, m.Submit):
                 params = _sampling_from(msg.sampling)
-                mm_inputs = self._mm_inputs(msg) if msg.images else None
+                mm_inputs = None
+                if msg.images:
+                    if self.images is None:
+                        raise InvalidRequestError("this worker does not take images (start it with --vision)")
+                    mm_inputs = self.images.mm_inputs(msg)
                 if msg.kv_target:
                     engine.add_prefill_request(
                         msg.request_id, msg.prompt_token_ids, params, msg.kv_target, msg.kv_target_block_ids,
@@ -269,7 +241,7 @@ class Worker:
                 else:
                     engine.add_request(msg.prompt_token_ids, params, msg.request_id, mm_inputs, msg.mm_pipelined)
                 if mm_inputs is not None:
-                    self._queue_inline(msg)
+                    self.images.queue_inline(msg)
             elif isinstance(msg, m.EmbeddingReady):
                 engine.mark_image_ready(msg.request_id, msg.image_index)
             elif isinstance(msg, m.Reserve):
@@ -283,13 +255,10 @@ class Worker:
                 self._pending_decode[msg.request_id] = msg
             elif isinstance(msg, m.Abort):
                 self._pending_decode.pop(msg.request_id, None)
-                if self._inline_jobs:
-                    self._inline_jobs = deque(j for j in self._inline_jobs if j[0] != msg.request_id)
-                self._encode_times.pop(msg.request_id, None)
                 self._reserved_at.pop(msg.request_id, None)
-                with self._slab_lock:  # no TCP embedding lands for it after this
+                if self.images is None:
                     engine.abort(msg.request_id)
-                if self.slab_receiver is not None:  # tell the router, which frees the slab rows then
+                elif self.images.abort(msg.request_id):  # TCP slab: the router frees the rows then
                     self.sock.send(m.encode(m.EmbeddingLanded(msg.request_id, -1)))
                 if self.opts.role == "prefill":
                     # Confirms, even for a request never seen, that from here on nothing is
@@ -310,67 +279,10 @@ class Worker:
             request_id = getattr(msg, "request_id", "")
             self.sock.send(m.encode(m.RequestFailed(request_id, str(e))))
 
-    # -- images --------------------------------------------------------------------------
-    def _mm_inputs(self, msg: m.Submit) -> list[MMInput]:
-        """The request's images: slab views (encode workers fill them) or in-process jobs."""
-        if self.mm_spec is None:
-            raise InvalidRequestError("this worker does not take images (start it with --vision)")
-        image_token_id = self.mm_spec.image_token_id
-        mm_inputs = []
-        for ref in msg.images:
-            span = msg.prompt_token_ids[ref.offset : ref.offset + ref.length]
-            positions = None
-            if ref.num_embeds != ref.length:
-                positions = [i for i, t in enumerate(span) if t == image_token_id]
-            if len(span) != ref.length or (positions is not None and len(positions) != ref.num_embeds):
-                raise InvalidRequestError(f"image span at {ref.offset} does not match the prompt")
-            mm = MMInput(ref.offset, ref.length, ref.num_embeds, ref.content_hash, positions)
-            if ref.slab_offset >= 0:
-                if self.slab_rows is None or ref.slab_offset + ref.num_embeds > self.slab_rows.shape[0]:
-                    raise InvalidRequestError("image rows lie outside this worker's embedding slab")
-                mm.embeds = self.slab_rows[ref.slab_offset : ref.slab_offset + ref.num_embeds]
-            elif self.encoder is None:
-                raise InvalidRequestError("this worker has no vision encoder; images need encode workers")
-            mm_inputs.append(mm)
-        return mm_inputs
-
-    def _accepts_image(self, request_id: str, image_index: int) -> bool:
-        """Receiver thread (under ``_slab_lock``): whether this image's rows may land now."""
-        mm_inputs = self.engine.mm_inputs(request_id)
-        return mm_inputs is not None and 0 <= image_index < len(mm_inputs) and not mm_inputs[image_index].is_ready
-
-    def _on_image_landed(self, request_id: str, image_index: int) -> None:
-        with self._slab_lock:
-            self._landed_images.append((request_id, image_index))
-        os.eventfd_write(self._landed_fd, 1)
-
-    def _mark_landed_images(self) -> None:
-        with self._slab_lock:
-            landed, self._landed_images = self._landed_images, []
-        for request_id, image_index in landed:
-            if self.engine.mark_image_ready(request_id, image_index):
+    def _report_landed_images(self) -> None:
+        if self.images is not None:
+            for request_id, image_index in self.images.take_landed():
                 self.sock.send(m.encode(m.EmbeddingLanded(request_id, image_index)))
-
-    def _queue_inline(self, msg: m.Submit) -> None:
-        for index, ref in enumerate(msg.images):
-            if ref.slab_offset < 0:
-                self._inline_jobs.append((msg.request_id, index, EncodeJob(ref.content_hash, ref.data)))
-
-    def _encode_inline(self) -> None:
-        """In-process encoder: embed up to ``max_batch_images`` queued images (by image)."""
-        assert self.encoder is not None
-        batch = [self._inline_jobs.popleft() for _ in range(min(self.opts.max_batch_images, len(self._inline_jobs)))]
-        results = self.encoder.run([job for _, _, job in batch])
-        for (request_id, index, _), result in zip(batch, results):
-            if result.rows is None:
-                self.engine.abort(request_id)
-                self._encode_times.pop(request_id, None)
-                self.sock.send(m.encode(m.RequestFailed(request_id, result.error)))
-                continue
-            times = self._encode_times.setdefault(request_id, [result.start, result.end, 0])
-            times[1] = result.end
-            times[2] += int(result.is_cache_hit)
-            self.engine.mark_image_ready(request_id, index, result.rows)
 
     def _start_landed(self) -> None:
         if not self._pending_decode:
@@ -398,19 +310,11 @@ class Worker:
                 logprobs=[m.TokenLogprob(lp.token_id, lp.logprob, list(lp.top_token_ids), list(lp.top_logprobs))
                           for lp in o.new_logprobs],
                 prefill_start=o.prefill_start, prefill_end=o.prefill_end,
-                **self._encode_timing(o),
+                **(self.images.timing(o, o.finished or self.opts.role == "prefill") if self.images else {}),
             )
             for o in outputs
         ]
         self.sock.send(m.encode(m.Outputs(self.opts.worker_id, items)))
-
-    def _encode_timing(self, out: RequestOutput) -> dict:
-        times = self._encode_times.get(out.request_id)
-        if times is None or not out.prefill_end:
-            return {}
-        if out.finished or self.opts.role == "prefill":
-            del self._encode_times[out.request_id]
-        return {"encode_start": times[0], "encode_end": times[1], "num_encoder_cache_hits": int(times[2])}
 
     def _report_transfers(self) -> None:
         for stats in self.engine.poll_transfers():
@@ -440,12 +344,8 @@ class Worker:
             self.engine.runner.kv_caches = []
             self.pool.close()
             self.pool = None
-        if self.slab_receiver is not None:
-            self.slab_receiver.close()
-        if self.slab is not None:
-            self.slab_rows = None
-            self.slab.close()
-            self.slab = None
+        if self.images is not None:
+            self.images.close()
         self.sock.close()
         self.ctx.term()
         os.close(self._landed_fd)
