@@ -1,13 +1,16 @@
 """Discrete-event cluster simulator: router, instances, KV and embedding transfers.
 
-Events sit in one heap as ``(time_s, kind, seq, payload)``. At equal times lower kinds go
-first, so work that arrives at an instant is visible to a step that ends at that instant::
+Events sit in one heap as ``(time_s, kind, order, seq, payload)``. At equal times lower kinds
+go first, so work that arrives at an instant is visible to a step that ends at that instant::
 
     ARRIVAL < EMBED_DONE < TRANSFER_DONE < ENCODE_END < STEP_END < HEARTBEAT
+
+and step ends at one instant go in instance order (``order``), the rest in push order.
 
 Each step instance runs the engine's ``Scheduler.schedule()`` when it starts a step and
 ``Scheduler.update()`` when the step ends (``StepCost`` seconds later); between steps it
 does nothing. Sampled tokens are a dummy id and requests stop at ``max_tokens``.
+Decode-only stretches are fast-forwarded (``fastforward``) to the same result.
 
 The router is the real one's rules: ``WorkerRegistry.pick`` on heartbeat-reported load,
 ``max_pending`` and per-worker queue limits (429), decode reservation refusal (503).
@@ -25,7 +28,7 @@ from dataclasses import dataclass, field
 from time import perf_counter
 
 from epdserve.errors import ConfigError
-from epdserve.request import EventType, Request
+from epdserve.request import EventType, MMInput, Request
 from epdserve.router.admission import (
     DEFAULT_MAX_PENDING,
     DEFAULT_MAX_WAITING_PER_WORKER,
@@ -36,9 +39,10 @@ from epdserve.router.admission import (
 )
 from epdserve.router.workers import WorkerRegistry
 from epdserve.sampling import SamplingParams
+from epdserve.sim import fastforward
 from epdserve.sim.cost_model import CostModel, StepShape
 from epdserve.sim.instance import SHM_BYTES_PER_S, EncodeInstance, Link, StepInstance
-from epdserve.sim.results import Flight, Recorder
+from epdserve.sim.results import Flight, MissWatch, Recorder
 from epdserve.sim.topology import Topology
 from epdserve.sim.workload import SimWorkload
 
@@ -59,6 +63,7 @@ class SimConfig:
     is_mm_pipelined: bool = True
     encode_max_batch_images: int = 8
     max_detail_requests: int = 10_000  # requests that keep inter-token gaps and timing
+    is_fast_forward: bool = True  # decode-only stretches in bulk (same result as stepping)
 
     def __post_init__(self) -> None:
         checks = [
@@ -86,7 +91,9 @@ class SimStats:
 
 
 class ClusterSim:
-    def __init__(self, cost: CostModel, config: SimConfig, workload: SimWorkload) -> None:
+    def __init__(self, cost: CostModel, config: SimConfig, workload: SimWorkload,
+                 watch: MissWatch | None = None) -> None:
+        """``watch``: stop as soon as the run can no longer meet its SLO (``is_aborted``)."""
         if len(workload) == 0:
             raise ConfigError("the workload has no requests")
         topo = config.topology
@@ -107,7 +114,9 @@ class ClusterSim:
         for role in topo.roles:
             for i in range(topo.count(role)):
                 self._add_instance(role, f"{role}-{i}")
-        self.recorder = Recorder(len(workload), config.max_detail_requests)
+        self.recorder = Recorder(len(workload), config.max_detail_requests, watch)
+        self.watch = watch
+        self.is_aborted = False
         self.flights: dict[str, Flight] = {}
         self.detail_ids: set[str] = set()
         self.heap: list = []
@@ -134,16 +143,20 @@ class ClusterSim:
                 )
             inst = StepInstance(worker_id, profile, cost.block_size, self.max_model_len, config.enable_prefix_caching,
                                 config.max_num_seqs.get(role), link if role == "prefill" else None, cost.model)
+        inst.index = len(self.instances)
         self.instances.append(inst)
         self.registry.add(inst.worker)
         self.by_worker_id[worker_id] = inst
 
     # -- event loop ----------------------------------------------------------------------
-    def _push(self, when: float, kind: int, payload: object) -> None:
+    def _push(self, when: float, kind: int, payload: object, order: int = 0) -> None:
         self.seq += 1
         if kind != HEARTBEAT:
             self.num_pending_events += 1
-        heapq.heappush(self.heap, (when, kind, self.seq, payload))
+        heapq.heappush(self.heap, (when, kind, order, self.seq, payload))
+
+    def _push_step_end(self, inst: StepInstance, when: float) -> None:
+        self._push(when, STEP_END, (inst, inst.epoch), inst.index)
 
     def run(self) -> Recorder:
         started = perf_counter()
@@ -151,14 +164,20 @@ class ClusterSim:
         self._push(0.0, HEARTBEAT, None)
         heap, pop = self.heap, heapq.heappop
         num_events = 0
+        watch = self.watch
         while heap:
-            when, kind, _, payload = pop(heap)
+            if watch is not None and watch.is_hopeless:
+                self.is_aborted = True
+                break
+            when, kind, _, _, payload = pop(heap)
             self.now = when
             num_events += 1
             if kind != HEARTBEAT:
                 self.num_pending_events -= 1
             if kind == STEP_END:
-                self._on_step_end(payload)
+                inst, epoch = payload
+                if epoch == inst.epoch:
+                    self._on_step_end(inst)
             elif kind == ARRIVAL:
                 self._on_arrival(payload)
             elif kind == TRANSFER_DONE:
@@ -174,7 +193,8 @@ class ClusterSim:
 
     def _on_heartbeat(self, _: object) -> None:
         for inst in self.instances:
-            inst.worker.load = inst.load()
+            stretch = getattr(inst, "stretch", None)
+            inst.worker.load = inst.load() if stretch is None else fastforward.load(inst, stretch, self.now)
             inst.worker.num_submitted = 0
         if self.flights and self.num_pending_events == 0:
             raise ConfigError(
@@ -219,6 +239,7 @@ class ClusterSim:
         if self.num_image_tokens:
             prompt = [DUMMY_TOKEN_ID] * self.num_image_tokens + prompt
         flight = Flight(index, now, num_prompt, num_output, prompt)
+        self._sync(first)
         if self.is_split:
             blocks = first.scheduler.reserve(rid, num_prompt)
             if blocks is None:
@@ -248,8 +269,6 @@ class ClusterSim:
         inst.worker.num_submitted += 1
 
     def _submit_images(self, flight: Flight, request: Request) -> None:
-        from epdserve.request import MMInput
-
         w = self.workload
         tokens = self.num_image_tokens // w.num_images
         for k in range(w.num_images):
@@ -270,6 +289,16 @@ class ClusterSim:
         """Start the instance's next step now, unless one is running or nothing is runnable."""
         if inst.is_busy:
             return
+        if self.config.is_fast_forward and inst.role != "prefill":
+            stretch = fastforward.try_start(inst, self.now, self.max_model_len)
+            if stretch is not None:
+                inst.stretch = stretch
+                inst.is_busy = True
+                self._push_step_end(inst, stretch.ends[-1])
+                return
+        self._kick_stepped(inst)
+
+    def _kick_stepped(self, inst: StepInstance) -> None:
         scheduler = inst.scheduler
         out = scheduler.schedule()
         while not out.scheduled:
@@ -295,7 +324,30 @@ class ClusterSim:
         inst.out = out
         inst.num_steps += 1
         inst.busy_s += step_s
-        self._push(now + step_s, STEP_END, inst)
+        self._push_step_end(inst, now + step_s)
+
+    def _sync(self, inst: StepInstance) -> None:
+        """Before anything touches a fast-forwarding instance: apply the steps that ended
+        before now and restart the one in flight as a normal step."""
+        stretch = inst.stretch
+        if stretch is None:
+            return
+        num_done = fastforward.steps_done_before(stretch, self.now)
+        fastforward.advance(inst, stretch, num_done, self._token_times(inst))
+        inst.stretch = None
+        inst.epoch += 1
+        inst.is_busy = False
+        saved_now = self.now
+        self.now = stretch.ends[num_done - 1] if num_done else stretch.start_s
+        self._kick_stepped(inst)
+        self.now = saved_now
+
+    def _token_times(self, inst: StepInstance) -> dict:
+        if not self.detail_ids:
+            return {}
+        flights = self.flights
+        return {r.request_id: flights[r.request_id].token_times for r in inst.scheduler.running
+                if r.request_id in self.detail_ids}
 
     def _push_kv(self, inst: StepInstance, scheduled: list, now: float, step_s: float) -> None:
         """Queue the KV of this prefill step's tokens (and, on a request's first chunk, of its
@@ -315,6 +367,13 @@ class ClusterSim:
                 flight.transfer_end = end_s
 
     def _on_step_end(self, inst: StepInstance) -> None:
+        stretch = inst.stretch
+        if stretch is not None:
+            fastforward.advance(inst, stretch, stretch.num_steps, self._token_times(inst))
+            inst.stretch = None
+            inst.is_busy = False
+            self._kick(inst)
+            return
         now, out = self.now, inst.out
         inst.is_busy, inst.out = False, None
         sampled = {e.request.request_id: DUMMY_TOKEN_ID for e in out.scheduled if e.will_sample}
@@ -327,6 +386,8 @@ class ClusterSim:
                     flight = flights[request.request_id]
                     if flight.first_token is None:
                         flight.first_token = flight.prefill_end = now
+                        if self.watch is not None:
+                            self.watch.on_first_token(flight.index, now - flight.arrival)
                         request.record(EventType.PREFILL_END, now)
                         request.record(EventType.FIRST_TOKEN, now)
         if self.detail_ids:
@@ -356,6 +417,7 @@ class ClusterSim:
     def _on_transfer_done(self, flight: Flight) -> None:
         rid = flight.request_id
         prefill, decode = flight.prefill, flight.decode
+        self._sync(decode)
         prefill.scheduler.release_transfer(rid)
         prefill.worker.request_ids.discard(rid)
         if flight.num_output == 1:
@@ -397,7 +459,9 @@ class ClusterSim:
         flight.num_pending_images -= 1
         if flight.num_pending_images == 0:
             flight.encode_end = self.now
-        self._kick(flight.prefill or flight.colocated)
+        consumer = flight.prefill or flight.colocated
+        self._sync(consumer)
+        self._kick(consumer)
 
     # -- summary -------------------------------------------------------------------------
     def summary(self) -> dict:

@@ -97,6 +97,9 @@ class StepInstance:
         self.worker.load = self.load()
         self.is_busy = False
         self.out: SchedulerOutput | None = None  # the step in flight
+        self.stretch = None  # fastforward.Stretch in flight instead of one step
+        self.epoch = 0  # bumped when a stretch is cut short: its pending end event is stale
+        self.index = 0  # position in the cluster: orders step ends that fall at one instant
         self.num_steps = 0
         self.busy_s = 0.0
 

@@ -53,9 +53,52 @@ class Flight:
         self.num_cached = 0
 
 
-class Recorder:
-    def __init__(self, num_requests: int, max_detail_requests: int) -> None:
+class MissWatch:
+    """Ends a run early once it can no longer meet an SLO: requests that already missed a
+    per-request threshold (failed; TTFT, TPOT or E2E over) are counted against the misses
+    the attainment target allows and against each percentile target's allowance."""
+
+    def __init__(self, num_requests: int, thresholds_s: Mapping[str, float], percentiles: Mapping[str, float],
+                 attainment: float) -> None:
         n = num_requests
+        self.thresholds_s = {k: v for k, v in thresholds_s.items() if math.isfinite(v)}
+        self.budgets = {k: n - math.ceil(p / 100.0 * n) for k, p in percentiles.items() if k in self.thresholds_s}
+        self.joint_budget = math.floor((1.0 - attainment) * n + 1e-9)
+        self.misses = dict.fromkeys(self.budgets, 0)
+        self.missed: set[int] = set()
+        self.is_hopeless = False
+
+    def _miss(self, index: int, metric: str | None) -> None:
+        if metric in self.misses:
+            self.misses[metric] += 1
+            if self.misses[metric] > self.budgets[metric]:
+                self.is_hopeless = True
+        if index not in self.missed:
+            self.missed.add(index)
+            if len(self.missed) > self.joint_budget:
+                self.is_hopeless = True
+
+    def on_first_token(self, index: int, ttft_s: float) -> None:
+        if ttft_s > self.thresholds_s.get("ttft", math.inf):
+            self._miss(index, "ttft")
+
+    def on_complete(self, index: int, tpot_s: float, e2el_s: float) -> None:
+        if tpot_s > self.thresholds_s.get("tpot", math.inf):
+            self._miss(index, "tpot")
+        if e2el_s > self.thresholds_s.get("e2el", math.inf):
+            self._miss(index, "e2el")
+
+    def on_fail(self, index: int) -> None:
+        for metric in ("ttft", "tpot", "e2el"):
+            if metric in self.misses:
+                self._miss(index, metric)
+        self._miss(index, None)
+
+
+class Recorder:
+    def __init__(self, num_requests: int, max_detail_requests: int, watch: MissWatch | None = None) -> None:
+        n = num_requests
+        self.watch = watch
         self.detail_every = max(1, math.ceil(n / max_detail_requests)) if max_detail_requests > 0 else 0
         self.is_done = np.zeros(n, dtype=bool)
         self.is_ok = np.zeros(n, dtype=bool)
@@ -80,6 +123,8 @@ class Recorder:
         self.prompt_len[index] = prompt_len
         self.errors[index] = error
         self.end_s = max(self.end_s, now)
+        if self.watch is not None:
+            self.watch.on_fail(index)
 
     def complete(self, f: Flight, num_output: int, now: float) -> None:
         i = f.index
@@ -89,6 +134,9 @@ class Recorder:
         self.ttft[i] = f.first_token - f.arrival
         self.prompt_len[i] = f.num_prompt
         self.output_len[i] = num_output
+        if self.watch is not None:
+            tpot = (now - f.first_token) / (num_output - 1) if num_output > 1 else 0.0
+            self.watch.on_complete(i, tpot, now - f.arrival)
         ready = f.encode_end
         start = max(f.prefill_start, ready)
         parts = {

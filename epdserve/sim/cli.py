@@ -1,0 +1,213 @@
+"""``epdserve simulate`` and ``epdserve plan``: argument parsing and output."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+from epdserve.errors import ConfigError, EpdserveError
+
+
+def _add_workload_args(p: argparse.ArgumentParser) -> None:
+    w = p.add_argument_group("workload")
+    w.add_argument("--workload", nargs="+", required=True, metavar="KIND",
+                   help="'random', or 'trace FILE' (Mooncake JSONL or Azure CSV)")
+    w.add_argument("--rate", type=float, default=None,
+                   help="requests/s (random: Poisson arrivals; trace: rescales its timestamps to this mean rate)")
+    w.add_argument("--duration", type=float, default=None, help="seconds of arrivals (random: rate x duration requests)")
+    w.add_argument("--num-requests", type=int, default=None, help="number of requests (instead of --duration)")
+    w.add_argument("--burstiness", type=float, default=1.0, help="1.0 is Poisson; Gamma arrivals otherwise")
+    w.add_argument("--random-input-len", type=int, default=1024)
+    w.add_argument("--random-output-len", type=int, default=128)
+    w.add_argument("--random-range-ratio", type=float, default=0.0)
+    w.add_argument("--time-scale", type=float, default=1.0, help="trace: multiplies timestamps")
+    w.add_argument("--length-scale", type=float, default=1.0, help="trace: multiplies token lengths")
+    w.add_argument("--loop-trace", action="store_true", help="trace: repeat it until the duration / request count")
+    w.add_argument("--images-per-request", type=int, default=0)
+    w.add_argument("--image-tiles", type=int, default=1, help="tiles per image (tokens = tiles x the profile's tokens_per_tile)")
+    w.add_argument("--seed", type=int, default=0)
+
+
+def _add_cluster_args(p: argparse.ArgumentParser) -> None:
+    c = p.add_argument_group("cluster")
+    c.add_argument("--link-gbps", type=float, default=None,
+                   help="each prefill / encode instance's outgoing link in Gbit/s (default: shared memory, 17.1 GB/s)")
+    c.add_argument("--max-model-len", type=int, default=None, help="default: the workload's longest request")
+    c.add_argument("--no-prefix-caching", action="store_true")
+    c.add_argument("--no-pipeline", action="store_true", help="prefill waits for all of a request's images")
+    c.add_argument("--encode-batch-images", type=int, default=8, help="images per encoder batch")
+    c.add_argument("--max-pending", type=int, default=None, help="router: requests at once (default: the router's 512)")
+    c.add_argument("--max-waiting-per-worker", type=int, default=None, help="router: queued per worker (default 256)")
+    c.add_argument("--heartbeat-s", type=float, default=0.2, help="load reports reach the router this often")
+    c.add_argument("--no-fast-forward", action="store_true", help="step every decode step (slower, same result)")
+
+
+def add_simulate_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("simulate", help="simulate a cluster from a profile (the engine's scheduler, modelled step times)")
+    p.add_argument("--profile", required=True, help="profile.json written by epdserve profile")
+    p.add_argument("--topology", required=True, help="e.g. colocated=4 or encode=1,prefill=2,decode=6")
+    p.add_argument("--max-num-seqs", default=None, metavar="ROLE=N,...", help="per-role override, e.g. decode=128")
+    _add_workload_args(p)
+    _add_cluster_args(p)
+    r = p.add_argument_group("report")
+    r.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS", help="SLOs: ttft:MS tpot:MS e2el:MS")
+    r.add_argument("--metric-percentiles", default="50,90,99")
+    r.add_argument("--max-detail-requests", type=int, default=10_000,
+                   help="requests that keep inter-token gaps and timing (sampled evenly beyond)")
+    r.add_argument("--out", default=None, help="write the result JSON (bench's keys) here")
+    r.add_argument("--quiet", action="store_true", help="no table")
+    p.set_defaults(func=run_simulate)
+    return p
+
+
+def add_plan_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("plan", help="instance ratio and colocated-vs-split verdict for a workload and SLO")
+    p.add_argument("--profile", required=True, help="profile.json written by epdserve profile")
+    p.add_argument("--slo", required=True, help="e.g. ttft_p99:2000,tpot_p99:100[,itl_p99:MS,e2el_p99:MS]")
+    p.add_argument("--instances", type=int, default=None, help="instance budget (default 8 for the search)")
+    p.add_argument("--prefix-hit-rate", type=float, default=None,
+                   help="fraction of prompt tokens served by the prefix cache (default: from the trace's hash ids)")
+    p.add_argument("--attainment", type=float, default=0.9, help="SLO attainment a rate must reach (DistServe: 0.9)")
+    p.add_argument("--search-requests", type=int, default=200, help="fewest requests in one search simulation")
+    p.add_argument("--search-max-requests", type=int, default=3000, help="most requests in one search simulation")
+    p.add_argument("--seqs-choices", default=None, metavar="N,N,...",
+                   help="max_num_seqs values tried for decode / colocated (0: the profile's; default 0,64)")
+    p.add_argument("--workers", type=int, default=None, help="processes for the search (default: CPU count)")
+    p.add_argument("--time-budget-s", type=float, default=60.0,
+                   help="simulate no new candidate after this many seconds (0: no limit)")
+    _add_workload_args(p)
+    _add_cluster_args(p)
+    p.add_argument("--out", default=None, help="write the plan JSON here")
+    p.set_defaults(func=run_plan)
+    return p
+
+
+def parse_role_counts(text: str | None) -> dict[str, int]:
+    if not text:
+        return {}
+    out: dict[str, int] = {}
+    for part in text.split(","):
+        role, sep, value = part.strip().partition("=")
+        if not sep or role.strip() not in ("colocated", "prefill", "decode"):
+            raise ConfigError(f"--max-num-seqs takes ROLE=N pairs (colocated, prefill, decode), got {part.strip()!r}")
+        try:
+            out[role.strip()] = int(value)
+        except ValueError:
+            raise ConfigError(f"--max-num-seqs: {value!r} is not an integer") from None
+        if out[role.strip()] < 1:
+            raise ConfigError(f"--max-num-seqs: {role.strip()} must be >= 1")
+    return out
+
+
+def build_workload(ns: argparse.Namespace, num_images: int | None = None, tiles: int | None = None):  # -> SimWorkload
+    from epdserve.sim.workload import random_workload, trace_workload
+
+    kind = ns.workload[0]
+    num_images = ns.images_per_request if num_images is None else num_images
+    tiles = (ns.image_tiles if num_images else 0) if tiles is None else tiles
+    if num_images < 0 or (num_images and tiles < 1):
+        raise ConfigError("--images-per-request must be >= 0 and --image-tiles >= 1")
+    if kind == "random":
+        if len(ns.workload) != 1:
+            raise ConfigError("--workload random takes no file")
+        if ns.rate is None or not ns.rate > 0:
+            raise ConfigError("--workload random needs --rate > 0")
+        if ns.num_requests is not None:
+            num = ns.num_requests
+        elif ns.duration is not None:
+            num = max(1, round(ns.rate * ns.duration)) if math.isfinite(ns.rate) else 0
+        else:
+            raise ConfigError("--workload random needs --duration or --num-requests")
+        return random_workload(num, ns.rate, ns.random_input_len, ns.random_output_len, ns.random_range_ratio,
+                               ns.burstiness, ns.seed, num_images, tiles)
+    if kind == "trace":
+        if len(ns.workload) != 2:
+            raise ConfigError("--workload trace needs a FILE: --workload trace FILE")
+        return trace_workload(ns.workload[1], ns.time_scale, ns.length_scale, ns.rate, ns.duration,
+                              ns.num_requests, ns.loop_trace, num_images, tiles)
+    raise ConfigError(f"--workload must be 'random' or 'trace FILE', got {kind!r}")
+
+
+def sim_config_kwargs(ns: argparse.Namespace) -> dict:
+    """SimConfig fields from the cluster flags (all but topology and max_num_seqs)."""
+    from epdserve.router.admission import DEFAULT_MAX_PENDING, DEFAULT_MAX_WAITING_PER_WORKER
+    from epdserve.sim.instance import SHM_BYTES_PER_S
+
+    if ns.link_gbps is not None and not ns.link_gbps > 0:
+        raise ConfigError(f"--link-gbps must be > 0, got {ns.link_gbps}")
+    return dict(
+        link_bytes_per_s=SHM_BYTES_PER_S if ns.link_gbps is None else ns.link_gbps * 1e9 / 8,
+        heartbeat_s=ns.heartbeat_s,
+        max_pending=ns.max_pending or DEFAULT_MAX_PENDING,
+        max_waiting_per_worker=ns.max_waiting_per_worker or DEFAULT_MAX_WAITING_PER_WORKER,
+        max_model_len=ns.max_model_len,
+        enable_prefix_caching=not ns.no_prefix_caching,
+        is_mm_pipelined=not ns.no_pipeline,
+        encode_max_batch_images=ns.encode_batch_images,
+        is_fast_forward=not ns.no_fast_forward,
+    )
+
+
+def run_simulate(ns: argparse.Namespace) -> int:
+    from epdserve.bench.cli import parse_goodput, parse_percentiles
+    from epdserve.bench.report import format_table
+    from epdserve.sim.cluster import ClusterSim, SimConfig
+    from epdserve.sim.cost_model import CostModel
+    from epdserve.sim.results import build_sim_result
+    from epdserve.sim.topology import parse_topology
+
+    cost = CostModel.load(ns.profile)
+    topology = parse_topology(ns.topology)
+    slos = parse_goodput(ns.goodput)
+    percentiles = parse_percentiles(ns.metric_percentiles)
+    workload = build_workload(ns)
+    config = SimConfig(topology, max_num_seqs=parse_role_counts(ns.max_num_seqs),
+                       max_detail_requests=ns.max_detail_requests, **sim_config_kwargs(ns))
+    sim = ClusterSim(cost, config, workload)
+    recorder = sim.run()
+    rate = ns.rate if ns.rate is not None else workload.mean_rate
+    result = build_sim_result(recorder, cost.model, rate, ns.burstiness, percentiles, slos, sim.summary())
+    if not ns.quiet:
+        print(format_table(result))
+        s = result["simulator"]
+        print(f"simulated {s['sim_end_s']:.1f} s of {s['topology']} in {s['wall_time_s']:.1f} s "
+              f"({s['num_events']} events)")
+    if ns.out:
+        _write_json(result, ns.out)
+    return 0
+
+
+def run_plan(ns: argparse.Namespace) -> int:
+    from epdserve.planner.plan import format_plan, plan_from_args
+
+    plan = plan_from_args(ns)
+    print(format_plan(plan))
+    if ns.out:
+        _write_json(plan, ns.out)
+    return 0
+
+
+def _write_json(data: dict, path: str) -> None:
+    target = Path(path)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(json.dumps(data, ensure_ascii=False) + "\n", encoding="utf-8")
+    except OSError as e:
+        raise EpdserveError(f"cannot write {path}: {e.strerror}") from None
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point for running this module alone (the ``epdserve`` CLI registers the same parsers)."""
+    parser = argparse.ArgumentParser(prog="epdserve")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_simulate_parser(sub)
+    add_plan_parser(sub)
+    ns = parser.parse_args(argv)
+    try:
+        return ns.func(ns)
+    except EpdserveError as e:
+        print(f"epdserve: error: {e}", file=sys.stderr)
+        return 2

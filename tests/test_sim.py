@@ -1,0 +1,282 @@
+"""Cluster simulator: hand-computed latencies, shared scheduler classes, prefix hits from trace
+hash ids, bench-shaped results, fast-forward equivalence, and bad input.
+
+The profiles here are small synthetic dicts: the cost model is not the subject, so its
+coefficients are chosen to make the expected times easy to compute by hand.
+"""
+
+import json
+
+import numpy as np
+import pytest
+
+from epdserve.bench.metrics import RequestOutput, compute_metrics
+from epdserve.bench.report import RunInfo, build_result
+from epdserve.engine.kv_cache import KVCacheManager
+from epdserve.engine.scheduler import Scheduler
+from epdserve.errors import ConfigError
+from epdserve.sim.cluster import ClusterSim, SimConfig
+from epdserve.sim.cost_model import CostModel, StepCost, StepShape
+from epdserve.sim.instance import Link
+from epdserve.sim.results import build_sim_result
+from epdserve.sim.topology import Topology, parse_topology
+from epdserve.sim.workload import SimWorkload, random_workload, trace_workload
+
+STEP = {"base_s": 0.01, "per_prefill_token_s": 1e-3, "per_prefill_attn_pair_s": 0.0,
+        "per_decode_seq_s": 2e-3, "per_decode_context_token_s": 0.0}
+
+
+def profile_dict(step=None, num_kv_blocks=1000, max_num_seqs=64, budget=2048, kv_bytes=1000, num_layers=4):
+    role = {"num_threads": 1, "num_kv_blocks": num_kv_blocks, "max_num_seqs": max_num_seqs,
+            "max_num_batched_tokens": budget, "step": dict(step or STEP)}
+    return {"version": 1, "model": "synthetic", "dtype": "bfloat16", "block_size": 16,
+            "kv_bytes_per_token": kv_bytes, "embed_bytes_per_token": 1000, "num_layers": num_layers,
+            "roles": {"colocated": dict(role), "prefill": dict(role), "decode": dict(role),
+                      "encode": {"num_threads": 1, "tokens_per_tile": 16, "image": {"base_s": 0.002, "per_tile_s": 0.05}}}}
+
+
+def fixed_workload(arrivals, input_lens, output_lens, hash_ids=None, **kw):
+    return SimWorkload("fixed", np.asarray(arrivals, dtype=float), np.asarray(input_lens, dtype=np.int64),
+                       np.asarray(output_lens, dtype=np.int64), hash_ids, **kw)
+
+
+def run(profile, topology, workload, **config):
+    sim = ClusterSim(CostModel.from_dict(profile), SimConfig(parse_topology(topology), **config), workload)
+    return sim, sim.run()
+
+
+# -- hand-computed runs ----------------------------------------------------------------------
+def test_colocated_single_request_with_every_cost_term():
+    step = {"base_s": 0.01, "per_prefill_token_s": 1e-3, "per_prefill_attn_pair_s": 1e-6,
+            "per_decode_seq_s": 2e-3, "per_decode_context_token_s": 1e-5}
+    _, rec = run(profile_dict(step), "colocated=1", fixed_workload([0.5], [32], [4]))
+    prefill = 0.01 + 32e-3 + 1e-6 * (32 * 33 // 2)  # P = 32 tokens, A = 528 query-key pairs
+    decodes = [0.01 + 2e-3 + 1e-5 * ctx for ctx in (33, 34, 35)]  # context grows by one per token
+    assert rec.ttft[0] == pytest.approx(prefill)
+    assert rec.latency[0] == pytest.approx(prefill + sum(decodes))
+    assert rec.itls[0] == pytest.approx(tuple(decodes))
+    assert rec.output_len[0] == 4
+
+
+def test_colocated_two_requests_share_steps():
+    # Both arrive at 0; the first arrival starts a step at once, the second joins the next one,
+    # a mixed step (one decode, a 50-token prefill); then both decode together, then one alone.
+    _, rec = run(profile_dict(), "colocated=1", fixed_workload([0.0, 0.0], [100, 50], [5, 3]))
+    first = 0.01 + 0.100
+    mixed = 0.01 + 0.050 + 2e-3
+    two, one = 0.01 + 2 * 2e-3, 0.01 + 2e-3
+    assert rec.ttft == pytest.approx([first, first + mixed])
+    assert rec.latency[1] == pytest.approx(first + mixed + 2 * two)
+    assert rec.latency[0] == pytest.approx(first + mixed + 2 * two + one)
+    assert rec.itls[0] == pytest.approx((mixed, two, two, one))
+
+
+def test_pd_first_token_at_prefill_end_and_decode_after_layerwise_transfer():
+    # 100 prompt tokens x 1000 B over 4 layers on a 1 MB/s link: 25 ms of sending per layer.
+    # Prefill step 0.11 s: layer i is computed at 0.0275 (i+1); sends end at 0.0525, 0.08,
+    # 0.1075 and 0.135, so 25 ms of the transfer is exposed after the prefill step.
+    sim, rec = run(profile_dict(), "prefill=1,decode=1", fixed_workload([0.0], [100], [3]), link_bytes_per_s=1e6)
+    assert rec.ttft[0] == pytest.approx(0.11)
+    decode_step = 0.01 + 2e-3
+    assert rec.latency[0] == pytest.approx(0.135 + 2 * decode_step)
+    assert rec.itls[0] == pytest.approx((0.135 - 0.11 + decode_step, decode_step))
+    assert rec.components["exposed_transfer_ms"][0] == pytest.approx(25.0)
+    assert rec.components["prefill_ms"][0] == pytest.approx(110.0)
+    prefill, decode = sim.instances
+    assert prefill.kv_cache.is_all_free() and decode.kv_cache.num_used_blocks() == 0
+    assert prefill.link.num_bytes == 100 * 1000
+
+
+def test_layerwise_closed_form_matches_layer_by_layer_sends():
+    for free_at, sizes, layers, step_s in [(0.0, [1000, 3000], 4, 0.1), (0.5, [500], 3, 0.2),
+                                           (0.0, [10**6, 10], 30, 0.05), (0.0, [7], 1, 0.01)]:
+        link = Link(1e5)
+        link.free_at = free_at
+        ends = link.send_layerwise(0.0, step_s, layers, sizes)
+        t, expected = free_at, []
+        for i in range(layers):
+            ready = step_s * (i + 1) / layers
+            for size in sizes:
+                t = max(t, ready) + size / layers / 1e5
+                if i == layers - 1:
+                    expected.append(t)
+        assert ends == pytest.approx(expected)
+        assert link.free_at == pytest.approx(t)
+
+
+def test_encode_then_prefill():
+    # One image of one tile (16 tokens): encode 0.052 s, embeddings 16 x 1000 B at 1 MB/s
+    # (0.016 s), then a 48-token prefill step (0.058 s).
+    w = fixed_workload([0.0], [32], [2], num_images=1, tiles_per_image=1)
+    _, rec = run(profile_dict(), "encode=1,prefill=1,decode=1", w, link_bytes_per_s=1e6)
+    assert rec.components["encode_ms"][0] == pytest.approx(68.0)
+    assert rec.components["queue_ms"][0] == pytest.approx(0.0)
+    assert rec.ttft[0] == pytest.approx(0.068 + 0.058)
+    assert rec.prompt_len[0] == 48
+
+
+def test_pipelined_prefill_starts_before_the_last_image():
+    w = fixed_workload([0.0], [32], [2], num_images=3, tiles_per_image=2)
+    cfg = dict(link_bytes_per_s=1e6, encode_max_batch_images=1)
+    _, piped = run(profile_dict(), "encode=1,prefill=1,decode=1", w, **cfg)
+    _, whole = run(profile_dict(), "encode=1,prefill=1,decode=1", w, is_mm_pipelined=False, **cfg)
+    assert piped.ttft[0] < whole.ttft[0]
+
+
+# -- the engine's classes ----------------------------------------------------------------------
+def test_simulator_drives_the_engines_scheduler_and_kv_manager():
+    sim, _ = run(profile_dict(), "prefill=1,decode=2", fixed_workload([0.0], [20], [2]))
+    for inst in sim.instances:
+        assert type(inst.scheduler) is Scheduler
+        assert type(inst.kv_cache) is KVCacheManager
+        assert inst.scheduler.kv_cache is inst.kv_cache
+
+
+def test_trace_hash_ids_give_prefix_hits(tmp_path):
+    trace = tmp_path / "t.jsonl"
+    rows = [{"timestamp": 0, "input_length": 1024, "output_length": 2, "hash_ids": [0, 1]},
+            {"timestamp": 1000, "input_length": 1024, "output_length": 2, "hash_ids": [0, 1]},
+            {"timestamp": 2000, "input_length": 1024, "output_length": 2, "hash_ids": [0, 2]}]
+    trace.write_text("\n".join(json.dumps(r) for r in rows))
+    w = trace_workload(str(trace))
+    sim, _ = run(profile_dict(), "colocated=1", w)
+    # Request 2 reuses 1008 tokens (whole blocks, at least one token left), request 3 one
+    # 512-token trace block.
+    assert sim.instances[0].scheduler.num_computed_prompt_tokens == 1024 + 16 + 512
+    sim, _ = run(profile_dict(), "colocated=1", w, enable_prefix_caching=False)
+    assert sim.instances[0].scheduler.num_computed_prompt_tokens == 3 * 1024
+
+
+def test_azure_csv_trace(tmp_path):
+    path = tmp_path / "a.csv"
+    path.write_text("arrived_at,num_prefill_tokens,num_decode_tokens\n1.5,30,4\n0.5,20,3\n")
+    w = trace_workload(str(path), time_scale=2.0)
+    assert list(w.arrival_s) == [0.0, 2.0] and list(w.input_lens) == [20, 30] and list(w.output_lens) == [3, 4]
+    assert w.hash_ids is None
+
+
+# -- results ------------------------------------------------------------------------------------
+def test_result_has_bench_keys_plus_simulator_section():
+    sim, rec = run(profile_dict(), "prefill=1,decode=1", random_workload(30, 5.0, 64, 8, 0.5, seed=1))
+    result = build_sim_result(rec, "synthetic", 5.0, 1.0, (50, 99), {"ttft": 500}, sim.summary())
+    timing = {"queue_ms": 1.0, "encode_ms": 0.0, "prefill_ms": 2.0, "exposed_transfer_ms": 0.0, "first_token_ms": 0.0}
+    outputs = [RequestOutput(True, 0.0, 1.0, 0.1, (0.2, 0.3), 10, 3, "", "", timing)]
+    metrics = compute_metrics(outputs, 1.0, (50, 99), {"ttft": 500})
+    info = RunInfo("openai", "m", "m", 1, 5.0, 1.0, None)
+    bench = build_result(info, outputs, 1.0, metrics, ttft_breakdown={"queue_ms": {"mean": 1.0, "p99": 1.0}})
+    assert set(result) - {"simulator"} == set(bench)
+    assert result["completed"] + result["failed"] == 30
+    json.dumps(result)
+
+
+def test_admission_limits_fail_requests():
+    w = fixed_workload([0.0] * 5, [100] * 5, [4] * 5)
+    _, rec = run(profile_dict(), "colocated=1", w, max_pending=2)
+    assert (~rec.is_ok).sum() == 3 and all(e.startswith("429") for e in rec.errors.values())
+    _, rec = run(profile_dict(max_num_seqs=2), "prefill=1,decode=1", w)  # decode reserves 2 at most
+    assert (~rec.is_ok).sum() == 3 and all(e.startswith("503") for e in rec.errors.values())
+
+
+# -- fast-forward ------------------------------------------------------------------------------
+@pytest.mark.parametrize("topology,blocks,budget,seed", [
+    ("colocated=2", 1000, 2048, 0),
+    ("colocated=1", 60, 2048, 1),  # KV pressure: preemptions
+    ("colocated=1", 1000, 33, 2),  # chunks that leave one prompt token for a later step
+    ("prefill=1,decode=2", 1000, 2048, 3),
+    ("prefill=1,decode=1", 60, 2048, 4),
+])
+def test_fast_forward_gives_the_same_result_as_stepping(topology, blocks, budget, seed):
+    w = random_workload(60, 8.0, 96, 40, 0.9, seed=seed)
+    profile = profile_dict({**STEP, "per_decode_context_token_s": 1e-6}, num_kv_blocks=blocks, budget=budget)
+    stepped_sim, stepped = run(profile, topology, w, is_fast_forward=False)
+    fast_sim, fast = run(profile, topology, w, is_fast_forward=True)
+    assert fast_sim.stats.num_events < stepped_sim.stats.num_events
+    for key in ("is_ok", "ttft", "latency", "output_len"):
+        assert np.array_equal(getattr(stepped, key), getattr(fast, key)), key
+    assert stepped.itls == fast.itls and stepped.errors == fast.errors
+    for a, b in zip(stepped_sim.instances, fast_sim.instances):
+        assert a.scheduler.num_preemptions == b.scheduler.num_preemptions
+        assert a.num_steps == b.num_steps
+
+
+# -- bad input ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("spec", ["", "colocated=0", "colocated=-1", "gpu=2", "colocated=2,prefill=1,decode=1",
+                                  "decode=2", "prefill=1", "encode=1", "colocated", "colocated=x", "colocated=1,colocated=2"])
+def test_bad_topology(spec):
+    with pytest.raises(ConfigError):
+        parse_topology(spec)
+
+
+def test_topology_parses():
+    assert parse_topology("encode=1, prefill=2,decode=6") == Topology(num_encode=1, num_prefill=2, num_decode=6)
+    assert parse_topology("colocated=4").spec == "colocated=4"
+
+
+def _write(tmp_path, text):
+    path = tmp_path / "profile.json"
+    path.write_text(text)
+    return str(path)
+
+
+@pytest.mark.parametrize("mutate,message", [
+    (lambda d: "{not json", "not JSON"),
+    (lambda d: {**d, "version": 2}, "version"),
+    (lambda d: {k: v for k, v in d.items() if k != "kv_bytes_per_token"}, "kv_bytes_per_token"),
+    (lambda d: {**d, "roles": {**d["roles"], "decode": {**d["roles"]["decode"], "step": {**STEP, "per_decode_seq_s": -1.0}}}},
+     "per_decode_seq_s"),
+    (lambda d: {**d, "roles": {**d["roles"], "gpu": {}}}, "unknown role"),
+])
+def test_bad_profile_is_a_config_error(tmp_path, mutate, message):
+    data = mutate(profile_dict())
+    path = _write(tmp_path, data if isinstance(data, str) else json.dumps(data))
+    with pytest.raises(ConfigError, match=message):
+        CostModel.load(path)
+
+
+def test_cli_bad_inputs_exit_2_with_one_line(tmp_path, capsys):
+    from epdserve.cli import main
+
+    good = _write(tmp_path, json.dumps(profile_dict()))
+    (tmp_path / "bad.json").write_text("[1, 2")
+    cases = [
+        ["--profile", str(tmp_path / "bad.json"), "--topology", "colocated=1"],
+        ["--profile", good, "--topology", "colocated=1,decode=2"],
+        ["--profile", str(tmp_path / "missing.json"), "--topology", "colocated=1"],
+    ]
+    for args in cases:
+        code = main(["simulate", *args, "--workload", "random", "--rate", "1", "--num-requests", "3"])
+        err = capsys.readouterr().err
+        assert code == 2 and err.startswith("epdserve: error:") and err.count("\n") == 1
+
+
+def test_cli_simulate_writes_the_result(tmp_path, capsys):
+    from epdserve.cli import main
+
+    good = _write(tmp_path, json.dumps(profile_dict()))
+    out = tmp_path / "r.json"
+    code = main(["simulate", "--profile", good, "--topology", "prefill=1,decode=1", "--workload", "random",
+                 "--rate", "4", "--num-requests", "20", "--random-input-len", "64", "--random-output-len", "8",
+                 "--out", str(out)])
+    assert code == 0
+    result = json.loads(out.read_text())
+    assert result["completed"] == 20 and result["simulator"]["topology"] == "prefill=1,decode=1"
+    assert "Serving Benchmark Result" in capsys.readouterr().out
+
+
+def test_request_too_large_for_the_kv_cache_is_a_config_error():
+    with pytest.raises(ConfigError, match="holds"):
+        run(profile_dict(num_kv_blocks=4), "colocated=1", fixed_workload([0.0], [100], [4]))
+
+
+def test_step_shape_counts_prefill_and_decode_entries():
+    from epdserve.engine.scheduler import ScheduledRequest, SchedulerOutput
+    from epdserve.request import Request
+    from epdserve.sampling import SamplingParams
+
+    prompt = Request("a", list(range(10)), SamplingParams())
+    decoding = Request("b", list(range(5)), SamplingParams())
+    decoding.output_token_ids = [1, 2]
+    out = SchedulerOutput([ScheduledRequest(prompt, 4, 6, [], True), ScheduledRequest(decoding, 6, 1, [], True)])
+    shape = StepShape.from_scheduler_output(out)
+    assert shape == StepShape(6, 6 * 4 + 21, 1, 7)
+    assert StepCost(1.0, 0.5, 0.0, 2.0, 0.0).time_s(shape) == 1.0 + 3.0 + 2.0
