@@ -117,7 +117,7 @@ def test_encode_then_prefill():
 
 def test_pipelined_prefill_starts_before_the_last_image():
     w = fixed_workload([0.0], [32], [2], num_images=3, tiles_per_image=2)
-    cfg = dict(link_bytes_per_s=1e6, encode_max_batch_images=1)
+    cfg = {"link_bytes_per_s": 1e6, "encode_max_batch_images": 1}
     _, piped = run(profile_dict(), "encode=1,prefill=1,decode=1", w, **cfg)
     _, whole = run(profile_dict(), "encode=1,prefill=1,decode=1", w, is_mm_pipelined=False, **cfg)
     assert piped.ttft[0] < whole.ttft[0]

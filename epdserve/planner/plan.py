@@ -152,8 +152,8 @@ def plan_from_args(ns: argparse.Namespace) -> dict:
 def format_plan(plan: dict) -> str:
     """The table ``epdserve plan`` prints."""
     width = 78
-    lines = ["=" * width, f"{' Plan ':=^{width}}", f"SLO {plan['slo']} at >= {plan['attainment']:.0%} attainment; "
-             f"budget {plan['instances']} instances; workload {plan['workload']}"]
+    lines = ["=" * width, f"{' Plan ':=^{width}}", (f"SLO {plan['slo']} at >= {plan['attainment']:.0%} attainment; "
+             f"budget {plan['instances']} instances; workload {plan['workload']}")]
     f = plan["formula_ratio"]
     if f.get("ratio"):
         ratio = " : ".join(f"{r} {v:.2f}" for r, v in f["ratio"].items())

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from epdserve.planner.slo import SLO, evaluate
-from epdserve.sim.cluster import ClusterSim, SimConfig
+from epdserve.sim.cluster import ClusterSim
+from epdserve.sim.config import SimConfig
 from epdserve.sim.cost_model import CostModel, StepShape
 from epdserve.sim.results import MissWatch
 from epdserve.sim.topology import Topology

@@ -138,17 +138,17 @@ def sim_config_kwargs(ns: argparse.Namespace) -> dict:
 
     if ns.link_gbps is not None and not ns.link_gbps > 0:
         raise ConfigError(f"--link-gbps must be > 0, got {ns.link_gbps}")
-    return dict(
-        link_bytes_per_s=SHM_BYTES_PER_S if ns.link_gbps is None else ns.link_gbps * 1e9 / 8,
-        heartbeat_s=ns.heartbeat_s,
-        max_pending=ns.max_pending or DEFAULT_MAX_PENDING,
-        max_waiting_per_worker=ns.max_waiting_per_worker or DEFAULT_MAX_WAITING_PER_WORKER,
-        max_model_len=ns.max_model_len,
-        enable_prefix_caching=not ns.no_prefix_caching,
-        is_mm_pipelined=not ns.no_pipeline,
-        encode_max_batch_images=ns.encode_batch_images,
-        is_fast_forward=not ns.no_fast_forward,
-    )
+    return {
+        "link_bytes_per_s": SHM_BYTES_PER_S if ns.link_gbps is None else ns.link_gbps * 1e9 / 8,
+        "heartbeat_s": ns.heartbeat_s,
+        "max_pending": ns.max_pending or DEFAULT_MAX_PENDING,
+        "max_waiting_per_worker": ns.max_waiting_per_worker or DEFAULT_MAX_WAITING_PER_WORKER,
+        "max_model_len": ns.max_model_len,
+        "enable_prefix_caching": not ns.no_prefix_caching,
+        "is_mm_pipelined": not ns.no_pipeline,
+        "encode_max_batch_images": ns.encode_batch_images,
+        "is_fast_forward": not ns.no_fast_forward,
+    }
 
 
 def run_simulate(ns: argparse.Namespace) -> int:

@@ -24,70 +24,22 @@ over that encoder's link; the prefill scheduler computes what is ready (``MMInpu
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass, field
 from time import perf_counter
 
 from epdserve.errors import ConfigError
 from epdserve.request import EventType, MMInput, Request
-from epdserve.router.admission import (
-    DEFAULT_MAX_PENDING,
-    DEFAULT_MAX_WAITING_PER_WORKER,
-    Rejection,
-    check_pending,
-    check_worker_queue,
-    reservation_refused,
-)
+from epdserve.router.admission import Rejection, check_pending, check_worker_queue, reservation_refused
 from epdserve.router.workers import WorkerRegistry
 from epdserve.sampling import SamplingParams
 from epdserve.sim import fastforward
+from epdserve.sim.config import SimConfig, SimStats
 from epdserve.sim.cost_model import CostModel, StepShape
-from epdserve.sim.instance import SHM_BYTES_PER_S, EncodeInstance, Link, StepInstance
+from epdserve.sim.instance import EncodeInstance, Link, StepInstance, role_summary
 from epdserve.sim.results import Flight, MissWatch, Recorder
-from epdserve.sim.topology import Topology
 from epdserve.sim.workload import SimWorkload
 
 ARRIVAL, EMBED_DONE, TRANSFER_DONE, ENCODE_END, STEP_END, HEARTBEAT = range(6)
 DUMMY_TOKEN_ID = 0
-
-
-@dataclass(frozen=True)
-class SimConfig:
-    topology: Topology
-    link_bytes_per_s: float = SHM_BYTES_PER_S  # each prefill / encode instance's outgoing link
-    heartbeat_s: float = 0.2  # load reports reach the router this often (the workers' default)
-    max_pending: int = DEFAULT_MAX_PENDING
-    max_waiting_per_worker: int = DEFAULT_MAX_WAITING_PER_WORKER
-    max_num_seqs: dict[str, int] = field(default_factory=dict)  # per role; absent: the profile's
-    max_model_len: int | None = None  # None: the workload's longest request
-    enable_prefix_caching: bool = True
-    is_mm_pipelined: bool = True
-    encode_max_batch_images: int = 8
-    max_detail_requests: int = 10_000  # requests that keep inter-token gaps and timing
-    is_fast_forward: bool = True  # decode-only stretches in bulk (same result as stepping)
-
-    def __post_init__(self) -> None:
-        checks = [
-            (self.link_bytes_per_s > 0, f"link bandwidth must be > 0, got {self.link_bytes_per_s}"),
-            (self.heartbeat_s > 0, f"heartbeat period must be > 0, got {self.heartbeat_s}"),
-            (self.max_pending >= 1, f"max_pending must be >= 1, got {self.max_pending}"),
-            (self.max_waiting_per_worker >= 1, f"max_waiting_per_worker must be >= 1, got {self.max_waiting_per_worker}"),
-            (self.encode_max_batch_images >= 1, "encode batch must hold >= 1 image"),
-            (self.max_model_len is None or self.max_model_len >= 2, "max_model_len must be >= 2"),
-            (self.max_detail_requests >= 0, "max_detail_requests must be >= 0"),
-        ]
-        for ok, message in checks:
-            if not ok:
-                raise ConfigError(message)
-        for role, n in self.max_num_seqs.items():
-            if role not in ("colocated", "prefill", "decode") or not isinstance(n, int) or n < 1:
-                raise ConfigError(f"max_num_seqs: bad entry {role}={n}")
-
-
-@dataclass
-class SimStats:
-    wall_s: float = 0.0  # real seconds the simulation took
-    num_events: int = 0
-    sim_end_s: float = 0.0
 
 
 class ClusterSim:
@@ -465,22 +417,7 @@ class ClusterSim:
 
     # -- summary -------------------------------------------------------------------------
     def summary(self) -> dict:
-        """Per-role counters and the run's cost, for the result's ``simulator`` section."""
-        roles: dict[str, dict] = {}
-        end = max(self.stats.sim_end_s, 1e-9)
-        for inst in self.instances:
-            r = roles.setdefault(inst.role, {"num_instances": 0, "num_steps": 0, "busy_s": 0.0})
-            r["num_instances"] += 1
-            r["num_steps"] += inst.num_steps
-            r["busy_s"] += inst.busy_s
-            if isinstance(inst, StepInstance):
-                s = inst.scheduler
-                r["num_preemptions"] = r.get("num_preemptions", 0) + s.num_preemptions
-                r["num_computed_prompt_tokens"] = r.get("num_computed_prompt_tokens", 0) + s.num_computed_prompt_tokens
-            if inst.role in ("prefill", "encode"):
-                r["link_bytes"] = r.get("link_bytes", 0) + inst.link.num_bytes
-        for r in roles.values():
-            r["utilization"] = r["busy_s"] / (end * r["num_instances"])
+        """The run's settings, cost and per-role counters, for the result's ``simulator`` section."""
         return {
             "topology": self.config.topology.spec,
             "workload": self.workload.name,
@@ -489,5 +426,5 @@ class ClusterSim:
             "wall_time_s": self.stats.wall_s,
             "num_events": self.stats.num_events,
             "sim_end_s": self.stats.sim_end_s,
-            "roles": roles,
+            "roles": role_summary(self.instances, self.stats.sim_end_s),
         }

@@ -32,7 +32,7 @@ MIN_STEPS = 3  # shorter stretches are stepped
 
 
 class Stretch:
-    __slots__ = ("start_s", "ends", "step_s", "free0", "tokens", "tables")
+    __slots__ = ("ends", "free0", "start_s", "step_s", "tables", "tokens")
 
     def __init__(self, start_s: float, ends: list[float], step_s: list[float], free0: int,
                  tokens: list[int], tables: list[int]) -> None:
@@ -76,8 +76,7 @@ def try_start(inst: StepInstance, now: float, max_model_len: int) -> Stretch | N
         if r.num_computed_tokens != n - 1 or not num_output:  # one prompt token left is prefill
             return None
         left = min(r.sampling.max_tokens - num_output, max_model_len - n)
-        if left < remaining:
-            remaining = left
+        remaining = min(remaining, left)
         context += n
         tokens.append(n)
         tables.append(len(kv.block_tables(r.request_id)[0]))

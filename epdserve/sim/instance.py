@@ -36,7 +36,7 @@ class Link:
 
     def send(self, ready_s: float, num_bytes: int) -> float:
         """Queue ``num_bytes`` that are ready at ``ready_s``; returns when they are out."""
-        start = self.free_at if self.free_at > ready_s else ready_s
+        start = max(ready_s, self.free_at)
         self.free_at = start + num_bytes / self.bytes_per_s
         self.num_bytes += num_bytes
         return self.free_at
@@ -127,3 +127,23 @@ class EncodeInstance:
 
     def load(self) -> m.Load:
         return m.Load(len(self.batch), len(self.queue), 0, 0)
+
+
+def role_summary(instances: list[StepInstance | EncodeInstance], end_s: float) -> dict[str, dict]:
+    """Per role: instances, steps, busy seconds and utilization over ``end_s`` seconds,
+    preemptions and prompt tokens computed (step roles), bytes sent (prefill, encode)."""
+    roles: dict[str, dict] = {}
+    for inst in instances:
+        r = roles.setdefault(inst.role, {"num_instances": 0, "num_steps": 0, "busy_s": 0.0})
+        r["num_instances"] += 1
+        r["num_steps"] += inst.num_steps
+        r["busy_s"] += inst.busy_s
+        if isinstance(inst, StepInstance):
+            s = inst.scheduler
+            r["num_preemptions"] = r.get("num_preemptions", 0) + s.num_preemptions
+            r["num_computed_prompt_tokens"] = r.get("num_computed_prompt_tokens", 0) + s.num_computed_prompt_tokens
+        if inst.role in ("prefill", "encode"):
+            r["link_bytes"] = r.get("link_bytes", 0) + inst.link.num_bytes
+    for r in roles.values():
+        r["utilization"] = r["busy_s"] / (max(end_s, 1e-9) * r["num_instances"])
+    return roles

@@ -16,6 +16,7 @@ memory; TTFT, TPOT and E2E cover every request.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -29,10 +30,29 @@ from epdserve.bench.report import RunInfo, build_result
 class Flight:
     """One request while it is in the simulated cluster (times: seconds, sim clock)."""
 
-    __slots__ = ("index", "request_id", "arrival", "num_prompt", "num_output", "prompt", "first_token",
-                 "prefill_start", "prefill_end", "encode_end", "transfer_end", "exposed", "kv_sent",
-                 "token_times", "colocated", "prefill", "decode", "encoders", "num_pending_images",
-                 "mm_inputs", "num_cached")
+    __slots__ = (
+        "arrival",
+        "colocated",
+        "decode",
+        "encode_end",
+        "encoders",
+        "exposed",
+        "first_token",
+        "index",
+        "kv_sent",
+        "mm_inputs",
+        "num_cached",
+        "num_output",
+        "num_pending_images",
+        "num_prompt",
+        "prefill",
+        "prefill_end",
+        "prefill_start",
+        "prompt",
+        "request_id",
+        "token_times",
+        "transfer_end",
+    )
 
     def __init__(self, index: int, arrival: float, num_prompt: int, num_output: int, prompt: list[int]) -> None:
         self.index = index
@@ -150,7 +170,7 @@ class Recorder:
             self.components[key][i] = value
         if f.token_times is not None:
             times = f.token_times
-            self.itls[i] = tuple(b - a for a, b in zip(times, times[1:]))
+            self.itls[i] = tuple(b - a for a, b in itertools.pairwise(times))
             self.timings[i] = {
                 "arrived": f.arrival, "prefill_start": f.prefill_start, "prefill_end": f.prefill_end,
                 "kv_transfer_end": f.transfer_end or 0.0, "first_token": f.first_token, "finished": now,

@@ -1,0 +1,50 @@
+"""Simulator settings and run statistics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from epdserve.errors import ConfigError
+from epdserve.router.admission import DEFAULT_MAX_PENDING, DEFAULT_MAX_WAITING_PER_WORKER
+from epdserve.sim.instance import SHM_BYTES_PER_S
+from epdserve.sim.topology import Topology
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    topology: Topology
+    link_bytes_per_s: float = SHM_BYTES_PER_S  # each prefill / encode instance's outgoing link
+    heartbeat_s: float = 0.2  # load reports reach the router this often (the workers' default)
+    max_pending: int = DEFAULT_MAX_PENDING
+    max_waiting_per_worker: int = DEFAULT_MAX_WAITING_PER_WORKER
+    max_num_seqs: dict[str, int] = field(default_factory=dict)  # per role; absent: the profile's
+    max_model_len: int | None = None  # None: the workload's longest request
+    enable_prefix_caching: bool = True
+    is_mm_pipelined: bool = True
+    encode_max_batch_images: int = 8
+    max_detail_requests: int = 10_000  # requests that keep inter-token gaps and timing
+    is_fast_forward: bool = True  # decode-only stretches in bulk (same result as stepping)
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.link_bytes_per_s > 0, f"link bandwidth must be > 0, got {self.link_bytes_per_s}"),
+            (self.heartbeat_s > 0, f"heartbeat period must be > 0, got {self.heartbeat_s}"),
+            (self.max_pending >= 1, f"max_pending must be >= 1, got {self.max_pending}"),
+            (self.max_waiting_per_worker >= 1, f"max_waiting_per_worker must be >= 1, got {self.max_waiting_per_worker}"),
+            (self.encode_max_batch_images >= 1, "encode batch must hold >= 1 image"),
+            (self.max_model_len is None or self.max_model_len >= 2, "max_model_len must be >= 2"),
+            (self.max_detail_requests >= 0, "max_detail_requests must be >= 0"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ConfigError(message)
+        for role, n in self.max_num_seqs.items():
+            if role not in ("colocated", "prefill", "decode") or not isinstance(n, int) or n < 1:
+                raise ConfigError(f"max_num_seqs: bad entry {role}={n}")
+
+
+@dataclass
+class SimStats:
+    wall_s: float = 0.0  # real seconds the simulation took
+    num_events: int = 0
+    sim_end_s: float = 0.0
