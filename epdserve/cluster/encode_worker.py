@@ -26,6 +26,7 @@ import torch
 import zmq
 
 from epdserve.cluster import messages as m
+from epdserve.cluster.router_link import connect_to_router, start_heartbeats
 from epdserve.config import resolve_device_name, resolve_dtype_name
 from epdserve.engine.encoder_runner import EncodeJob, EncodeResult, EncoderRunner
 from epdserve.errors import ConfigError
@@ -72,10 +73,7 @@ class EncodeWorker:
         self.slabs: dict[str, EmbeddingSlab | TcpSlabSender] = {}  # consumer id -> its slab (shm) or link (tcp)
         self.queue: deque[m.EncodeImage] = deque()
         self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.IDENTITY, opts.worker_id.encode())
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(opts.router)
+        self.sock = connect_to_router(self.ctx, opts.router, opts.worker_id)
         self._stop = threading.Event()
         self._num_busy = 0
 
@@ -90,21 +88,9 @@ class EncodeWorker:
         return m.Load(num_running=self._num_busy, num_waiting=len(self.queue), num_free_blocks=0, num_used_blocks=0,
                       num_encoder_cache_hits=cache.num_hits, num_encoder_cache_bytes=cache.num_bytes)
 
-    def _heartbeat_loop(self) -> None:
-        sock = self.ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.IDENTITY, f"{self.opts.worker_id}/hb".encode())
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(self.opts.router)
-        while not self._stop.wait(self.opts.heartbeat_s):
-            try:
-                sock.send(m.encode(m.Heartbeat(self.opts.worker_id, self.load())), zmq.NOBLOCK)
-            except (zmq.ZMQError, RuntimeError):
-                pass
-        sock.close()
-
     def run(self) -> int:
         self.sock.send(m.encode(self.register()))
-        threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True).start()
+        start_heartbeats(self.ctx, self.opts.router, self.opts.worker_id, self.load, self.opts.heartbeat_s, self._stop)
         try:
             while not self._stop.is_set():
                 timeout_ms = 0 if self.queue else 100

@@ -25,6 +25,7 @@ import torch
 import zmq
 
 from epdserve.cluster import messages as m
+from epdserve.cluster.router_link import connect_to_router, start_heartbeats
 from epdserve.cluster.worker_images import ConsumerImages, ImageOptions
 from epdserve.config import EngineArgs
 from epdserve.engine.engine import LLMEngine, RequestOutput
@@ -118,10 +119,7 @@ class Worker:
             runner.pusher = KVPusher(runner.kv_caches, runner.layer_to_group, runner.block_size, opts.layerwise)
             runner.pusher.stall = opts.stall_kv_transfers
         self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.IDENTITY, opts.worker_id.encode())
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(opts.router)
+        self.sock = connect_to_router(self.ctx, opts.router, opts.worker_id)
         self._stop = threading.Event()
 
     # -- set-up --------------------------------------------------------------------------
@@ -173,21 +171,9 @@ class Worker:
         )
 
     # -- loops ---------------------------------------------------------------------------
-    def _heartbeat_loop(self) -> None:
-        sock = self.ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.IDENTITY, f"{self.opts.worker_id}/hb".encode())
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(self.opts.router)
-        while not self._stop.wait(self.opts.heartbeat_s):
-            try:
-                sock.send(m.encode(m.Heartbeat(self.opts.worker_id, self.load())), zmq.NOBLOCK)
-            except (zmq.ZMQError, RuntimeError):
-                pass
-        sock.close()
-
     def run(self) -> int:
         self.sock.send(m.encode(self.register()))
-        threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True).start()
+        start_heartbeats(self.ctx, self.opts.router, self.opts.worker_id, self.load, self.opts.heartbeat_s, self._stop)
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
         poller.register(self._landed_fd, zmq.POLLIN)

@@ -20,7 +20,7 @@ from collections.abc import Callable
 import msgspec
 import torch
 
-from epdserve.transfer.tcp import _recv_exact
+from epdserve.transfer.tcp import FrameListener, _recv_exact, recv_header
 
 _HEADER = struct.Struct("!I")
 
@@ -33,7 +33,7 @@ class SlabFrame(msgspec.Struct, array_like=True):
     num_payload_bytes: int
 
 
-class TcpSlabReceiver:
+class TcpSlabReceiver(FrameListener):
     """Consumer side: accepts encode workers' connections and lands frames into ``rows``."""
 
     def __init__(
@@ -48,34 +48,17 @@ class TcpSlabReceiver:
         self.on_landed = on_landed
         self.accepts = accepts
         self.lock = lock
-        self._listener = socket.create_server((host, 0))
-        self.host, self.port = self._listener.getsockname()[:2]
-        self._closed = False
         self._decoder = msgspec.msgpack.Decoder(SlabFrame)
-        threading.Thread(target=self._accept_loop, name="slab-accept", daemon=True).start()
-
-    def _accept_loop(self) -> None:
-        while not self._closed:
-            try:
-                conn, _ = self._listener.accept()
-            except OSError:
-                return
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            threading.Thread(target=self._serve, args=(conn,), name="slab-recv", daemon=True).start()
+        super().__init__(host, "slab")
 
     def _serve(self, conn: socket.socket) -> None:
-        header_len = bytearray(_HEADER.size)
         num_rows, hidden = self.rows.shape
         row_bytes = hidden * self.rows.element_size()
         with conn:
             while True:
-                if not _recv_exact(conn, memoryview(header_len)):
+                frame = recv_header(conn, self._decoder)
+                if frame is None:
                     return
-                (n,) = _HEADER.unpack(header_len)
-                raw = bytearray(n)
-                if not _recv_exact(conn, memoryview(raw)):
-                    return
-                frame = self._decoder.decode(raw)
                 payload = bytearray(frame.num_payload_bytes)
                 if not _recv_exact(conn, memoryview(payload)):
                     return
@@ -88,13 +71,6 @@ class TcpSlabReceiver:
                         continue
                     self.rows[frame.row_offset : end].copy_(data)
                 self.on_landed(frame.request_id, frame.image_index)
-
-    def close(self) -> None:
-        self._closed = True
-        try:
-            self._listener.close()
-        except OSError:
-            pass
 
 
 class TcpSlabSender:

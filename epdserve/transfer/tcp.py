@@ -43,7 +43,50 @@ def _recv_exact(sock: socket.socket, view: memoryview) -> bool:
     return True
 
 
-class TcpKVReceiver:
+def recv_header(conn: socket.socket, decoder: msgspec.msgpack.Decoder) -> msgspec.Struct | None:
+    """Read one ``| u32 length | msgpack header |`` off ``conn``; None when the peer closed."""
+    header_len = bytearray(_HEADER.size)
+    if not _recv_exact(conn, memoryview(header_len)):
+        return None
+    (n,) = _HEADER.unpack(header_len)
+    raw = bytearray(n)
+    if not _recv_exact(conn, memoryview(raw)):
+        return None
+    return decoder.decode(raw)
+
+
+class FrameListener:
+    """Listens on ``host`` (any free port) and serves each connection in a thread of its own;
+    subclasses read frames in ``_serve`` until the peer closes."""
+
+    def __init__(self, host: str, name: str) -> None:
+        self._listener = socket.create_server((host, 0))
+        self.host, self.port = self._listener.getsockname()[:2]
+        self._name = name
+        self._closed = False
+        threading.Thread(target=self._accept_loop, name=f"{name}-accept", daemon=True).start()
+
+    def _accept_loop(self) -> None:
+        while not self._closed:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            threading.Thread(target=self._serve, args=(conn,), name=f"{self._name}-recv", daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        self._closed = True
+        try:
+            self._listener.close()
+        except OSError:
+            pass
+
+
+class TcpKVReceiver(FrameListener):
     """Decode side: accepts prefill workers' connections and lands frames into the pool."""
 
     def __init__(
@@ -58,32 +101,15 @@ class TcpKVReceiver:
         self.kv_caches = kv_caches
         self.on_landed = on_landed
         self.accepts = accepts
-        self._listener = socket.create_server((host, 0))
-        self.host, self.port = self._listener.getsockname()[:2]
-        self._closed = False
         self._decoder = msgspec.msgpack.Decoder(LayerFrame)
-        threading.Thread(target=self._accept_loop, name="kv-accept", daemon=True).start()
-
-    def _accept_loop(self) -> None:
-        while not self._closed:
-            try:
-                conn, _ = self._listener.accept()
-            except OSError:
-                return
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            threading.Thread(target=self._serve, args=(conn,), name="kv-recv", daemon=True).start()
+        super().__init__(host, "kv")
 
     def _serve(self, conn: socket.socket) -> None:
-        header_len = bytearray(_HEADER.size)
         with conn:
             while True:
-                if not _recv_exact(conn, memoryview(header_len)):
+                frame = recv_header(conn, self._decoder)
+                if frame is None:
                     return
-                (n,) = _HEADER.unpack(header_len)
-                raw = bytearray(n)
-                if not _recv_exact(conn, memoryview(raw)):
-                    return
-                frame = self._decoder.decode(raw)
                 if frame.layer == END_OF_REQUEST:
                     if self.accepts(frame.request_id):
                         self.on_landed(frame.request_id)
@@ -100,13 +126,6 @@ class TcpKVReceiver:
                 kv = torch.frombuffer(payload, dtype=cache.dtype).view(2, frame.num_tokens, *cache.shape[3:])
                 flat = cache.view(2, -1, *cache.shape[3:])
                 flat.index_copy_(1, torch.from_numpy(slots), kv)
-
-    def close(self) -> None:
-        self._closed = True
-        try:
-            self._listener.close()
-        except OSError:
-            pass
 
 
 class TcpKVSender:
