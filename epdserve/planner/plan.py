@@ -181,6 +181,7 @@ def format_plan(plan: dict) -> str:
                      f"{val['runs'][-1]['num_requests']} requests): configure admission with it")
     s = plan["search"]
     lines.append(f"search: {s['num_candidates']} candidates, {s['num_simulated']} simulated, {s['num_pruned']} pruned, "
-                 f"{s['num_skipped']} left, {s['num_sims']} simulations, {s['search_s']:.1f} s on {s['num_workers']} processes")
+                 f"{s['num_dominated']} dominated, {s['num_skipped']} left; {s['num_sims']} simulations in "
+                 f"{s['search_s']:.1f} s on {s['num_workers']} processes")
     lines.append("=" * width)
     return "\n".join(lines)

@@ -76,6 +76,8 @@ def try_start(inst: StepInstance, now: float, max_model_len: int) -> Stretch | N
         if r.num_computed_tokens != n - 1 or not num_output:  # one prompt token left is prefill
             return None
         left = min(r.sampling.max_tokens - num_output, max_model_len - n)
+        if left <= MIN_STEPS:  # a stretch would be too short
+            return None
         remaining = min(remaining, left)
         context += n
         tokens.append(n)

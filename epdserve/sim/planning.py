@@ -184,6 +184,7 @@ def make_plan(ns: argparse.Namespace) -> dict:
             "num_candidates": found.num_candidates,
             "num_simulated": len(found.results),
             "num_pruned": found.num_pruned,
+            "num_dominated": found.num_dominated,
             "num_skipped": found.num_skipped,
             "num_sims": sum(c.num_sims for c in found.results) + num_formula_sims,
             "min_requests_per_sim": spec.min_requests,

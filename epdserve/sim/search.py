@@ -7,11 +7,15 @@ calibrates its family's estimates (median of measured / estimated max rate). A c
 pruned, not simulated, when the best goodput per instance so far exceeds its estimate by
 ``PRUNE_MARGIN``, or its calibrated estimate by ``CALIBRATED_MARGIN`` (the best few of each
 family, split and colocated, are always simulated, so the verdict compares simulated bests).
-A time budget leaves the rest unsimulated.
+A candidate is dominated, not simulated, when a larger pool with the same instance ratio and
+batch limits was simulated (equal estimates per instance put the larger pool first): a larger
+pool of the same shape balances load at least as well. A time budget leaves the rest
+unsimulated.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -25,7 +29,7 @@ from epdserve.sim.topology import Topology
 from epdserve.sim.workload import SimWorkload
 
 PRUNE_MARGIN = 1.5  # a candidate is skipped when best goodput/instance > margin x its estimate
-CALIBRATED_MARGIN = 1.15  # ... or > margin x its calibrated estimate (once calibrated)
+CALIBRATED_MARGIN = 1.1  # ... or > margin x its calibrated estimate (once calibrated)
 MIN_CALIBRATION = 4  # simulated candidates of a family before its calibration is trusted
 MIN_PER_FAMILY = 3  # split and colocated each get this many simulated before any is pruned
 HINT_FACTOR = 1.25  # the rate search starts at this multiple of the (calibrated) estimate
@@ -51,6 +55,15 @@ def enumerate_candidates(num_instances: int, seqs_choices: Sequence[int], has_en
     return out
 
 
+def ratio_class(candidate: Candidate) -> tuple[tuple, int]:
+    """(the instance ratio in lowest terms with the batch limits, the multiple): prefill=4,
+    decode=6 is 2 x (prefill 2 : decode 3)."""
+    topo = candidate.topology
+    counts = (topo.num_encode, topo.num_prefill, topo.num_decode, topo.num_colocated)
+    g = math.gcd(*counts)
+    return (tuple(n // g for n in counts), candidate.max_num_seqs), g
+
+
 def _seqs(*pairs: tuple[str, int | None]) -> tuple[tuple[str, int], ...]:
     """Only overrides go in; a None (the profile's value) leaves the role out."""
     return tuple(sorted((role, n) for role, n in pairs if n is not None))
@@ -61,7 +74,8 @@ class SearchResult:
     results: list[Capacity]  # simulated candidates, in visiting order
     estimates: dict  # candidate -> estimated rate (requests/s)
     num_candidates: int
-    num_pruned: int
+    num_pruned: int  # by their (calibrated) estimate
+    num_dominated: int  # a larger pool of the same ratio was simulated
     num_skipped: int  # left when the time budget ran out
     search_s: float
     num_workers: int
@@ -127,6 +141,8 @@ def search(cost: CostModel, candidates: list[Candidate], estimate: Callable[[Can
         for family in (True, False)
     }
     families_seen: dict[bool, int] = {True: 0, False: 0}
+    largest: dict[tuple, int] = {}  # ratio class -> largest multiple simulated
+    num_dominated = 0
     results: list[Capacity] = []
     calibration = _Calibration()
     best = 0.0
@@ -150,13 +166,18 @@ def search(cost: CostModel, candidates: list[Candidate], estimate: Callable[[Can
         return queues[family].pop(0)
 
     def next_task() -> tuple[Candidate, float] | None:
-        nonlocal num_pruned
+        nonlocal num_pruned, num_dominated
         while (queues[True] or queues[False]) and not is_out_of_time():
             c = pick()
             family = c.topology.is_split
+            key, scale = ratio_class(c)
             if families_seen[family] >= MIN_PER_FAMILY and calibration.is_worse(c, estimates[c], best):
                 num_pruned += 1
                 continue
+            if largest.get(key, 0) > scale:
+                num_dominated += 1
+                continue
+            largest[key] = max(largest.get(key, 0), scale)
             families_seen[family] += 1
             return c, calibration.hint(c, estimates[c])
         return None
@@ -183,5 +204,5 @@ def search(cost: CostModel, candidates: list[Candidate], estimate: Callable[[Can
                 for future in done:
                     record(future.result())
     num_left = len(queues[True]) + len(queues[False])
-    return SearchResult(results, estimates, len(candidates), num_pruned, num_left, time.perf_counter() - started,
-                        num_workers)
+    return SearchResult(results, estimates, len(candidates), num_pruned, num_dominated, num_left,
+                        time.perf_counter() - started, num_workers)
