@@ -147,6 +147,16 @@ def test_search_prefers_more_decode_when_decode_is_the_bottleneck():
     assert best.candidate.topology.num_decode > best.candidate.topology.num_prefill
 
 
+def test_ratio_class_groups_multiples_of_one_shape():
+    from epdserve.sim.search import ratio_class
+
+    big = Candidate(Topology(num_prefill=4, num_decode=6), (("decode", 64),))
+    small = Candidate(Topology(num_prefill=2, num_decode=3), (("decode", 64),))
+    assert ratio_class(big) == (((0, 2, 3, 0), (("decode", 64),)), 2)
+    assert ratio_class(small)[0] == ratio_class(big)[0] and ratio_class(small)[1] == 1
+    assert ratio_class(Candidate(Topology(num_prefill=2, num_decode=3)))[0] != ratio_class(small)[0]
+
+
 def test_candidates_stay_within_the_budget():
     cands = enumerate_candidates(5, (0, 64), True)
     assert all(c.topology.num_instances <= 5 and c.topology.num_encode == 1 for c in cands)
