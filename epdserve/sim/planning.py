@@ -31,7 +31,7 @@ from epdserve.sim.cli import sim_config_kwargs
 from epdserve.sim.cost_model import CostModel
 from epdserve.sim.search import enumerate_candidates, search
 from epdserve.sim.topology import Topology
-from epdserve.sim.workload import SimWorkload, random_workload, trace_workload
+from epdserve.sim.workload import SimWorkload, poisson_arrivals, random_workload, trace_workload
 
 DEFAULT_INSTANCES = 8
 DEFAULT_SEQS_CHOICES = (0, 64)  # 0: the profile's max_num_seqs
@@ -73,14 +73,17 @@ def _formula(cost: CostModel, slo: SLO, attainment: float, base: SimWorkload, sp
         return {"ratio": None, "reason": "the profile has no prefill and decode roles"}, 0
     images = base.num_images
     # Thr_P: one prefill instance, prompts only (one output token: decode does no work),
-    # image tokens as text and no shared prefixes (the hit rate discounts the work instead).
-    prompts = SimWorkload("prefill-only", base.arrival_s, base.input_lens + num_image_tokens,
+    # image tokens as text, no shared prefixes (the hit rate discounts the work instead) and
+    # Poisson arrivals (a trace's bursts are the search's business: a pool absorbs them).
+    prompts = SimWorkload("prefill-only", poisson_arrivals(len(base), 1.0, 1.0, 0), base.input_lens + num_image_tokens,
                           np.ones(len(base), dtype=np.int64))
     one = Candidate(Topology(num_prefill=1, num_decode=1), (("decode", 1 << 20),))
     hint = saturation_rate(cost, one, float(prompts.mean_input_len), 1.0, 0.0, 0, 0, 1)
     cap = max_rate(cost, one, prompts, slo, attainment, hint, config, spec)
     if cap.max_rate <= 0:
-        return {"ratio": None, "reason": "one prefill instance misses the TTFT SLO at any rate"}, cap.num_sims
+        lowest = min(rate for rate, _ in cap.probes)
+        return {"ratio": None, "reason": f"one prefill instance misses the TTFT SLO even at {lowest:.3g} req/s"}, \
+            cap.num_sims
     thr_p = cap.max_rate * float(prompts.mean_input_len)
     d = cost.role("decode")
     dec = decode_throughput_at_slo(d.step, slo.threshold_s("tpot"), mean_prompt + mean_output / 2, d.max_num_seqs,
