@@ -169,6 +169,14 @@ def test_result_has_bench_keys_plus_simulator_section():
     json.dumps(result)
 
 
+def test_admission_defaults_are_the_routers():
+    core = pytest.importorskip("epdserve.router.core")  # the router module imports the worker stack
+    from epdserve.router.admission import DEFAULT_MAX_PENDING, DEFAULT_MAX_WAITING_PER_WORKER
+
+    config = core.RouterConfig()
+    assert (DEFAULT_MAX_PENDING, DEFAULT_MAX_WAITING_PER_WORKER) == (config.max_pending, config.max_waiting_per_worker)
+
+
 def test_admission_limits_fail_requests():
     w = fixed_workload([0.0] * 5, [100] * 5, [4] * 5)
     _, rec = run(profile_dict(), "colocated=1", w, max_pending=2)
