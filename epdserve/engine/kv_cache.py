@@ -185,6 +185,9 @@ class KVCacheManager:
         )
         self.pools = [BlockPool(num_blocks, self.enable_prefix_caching) for _ in groups]
         self._requests: dict[str, _RequestBlocks] = {}
+        # Block hashes computed by find_cached_prefix for a request that holds no blocks yet;
+        # its first allocate takes them over (a prompt is hashed once, not per lookup).
+        self._pending_hashes: dict[str, list[bytes]] = {}
 
     # -- queries -------------------------------------------------------------------------
     def block_tables(self, request_id: str) -> list[list[int]]:
@@ -202,7 +205,7 @@ class KVCacheManager:
 
     def is_all_free(self) -> bool:
         """No request holds a block and every reference count is zero (a leak check)."""
-        return not self._requests and all(
+        return not self._requests and not self._pending_hashes and all(
             pool.num_free_blocks == pool.num_blocks - 1 and not any(pool.ref_counts)
             for pool in self.pools
         )
@@ -229,7 +232,7 @@ class KVCacheManager:
 
     def _full_block_hashes(self, request_id: str, token_ids: list[int], num_blocks: int) -> list[bytes]:
         entry = self._requests.get(request_id)
-        hashes = entry.hashes if entry else []
+        hashes = entry.hashes if entry else self._pending_hashes.setdefault(request_id, [])
         bs = self.block_size
         while len(hashes) < num_blocks:
             i = len(hashes)
@@ -273,7 +276,7 @@ class KVCacheManager:
             return False
         entry = self._requests.get(request_id)
         if entry is None:
-            entry = _RequestBlocks([[] for _ in self.groups], [])
+            entry = _RequestBlocks([[] for _ in self.groups], self._pending_hashes.pop(request_id, []))
             self._requests[request_id] = entry
         for group_id, pool in enumerate(self.pools):
             table = entry.tables[group_id]
@@ -320,6 +323,7 @@ class KVCacheManager:
             table[:num_dead] = [NULL_BLOCK] * num_dead
 
     def free(self, request_id: str) -> None:
+        self._pending_hashes.pop(request_id, None)
         entry = self._requests.pop(request_id, None)
         if entry is None:
             return
