@@ -205,7 +205,7 @@ class KVCacheManager:
 
     def is_all_free(self) -> bool:
         """No request holds a block and every reference count is zero (a leak check)."""
-        return not self._requests and not self._pending_hashes and all(
+        return not self._requests and all(
             pool.num_free_blocks == pool.num_blocks - 1 and not any(pool.ref_counts)
             for pool in self.pools
         )
