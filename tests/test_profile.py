@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from epdserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 from epdserve.planner.profile import fit_line, worst_fitted
@@ -128,3 +129,24 @@ def test_bad_input_is_one_line_exit_2(args, message, tmp_path):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], proc.stderr
     assert not (tmp_path / "p.json").exists()
+
+
+def test_prefill_probe_pushes_its_kv_into_the_peer_pool():
+    from epdserve.config import EngineArgs
+    from epdserve.engine.engine import LLMEngine
+    from epdserve.planner.profile import StepProbe, pushing_kv
+
+    engine = LLMEngine(EngineArgs(num_kv_blocks=64, enable_prefix_caching=False))
+    probe = StepProbe(engine)
+    with pushing_kv(probe) as peer:
+        plan = probe.build(StepPoint(((0, 40), (16, 20))))
+        engine.runner.execute(plan)
+        for entry in plan.scheduled:
+            blocks = entry.block_tables[0][entry.start_pos // 16 : -(-(entry.start_pos + entry.num_new_tokens) // 16)]
+            for layer in (0, len(peer.layers) - 1):
+                local = engine.runner.kv_caches[layer][:, blocks]
+                assert torch.equal(peer.layers[layer][:, blocks], local) and local.abs().sum() > 0
+        engine.runner.pusher.poll()
+        probe.release(plan)
+    assert engine.runner.pusher is None and probe.kv_target is None
+    assert engine.kv_cache.is_all_free()

@@ -6,7 +6,8 @@ step a worker runs, without the scheduler deciding its shape. Each role runs wit
 its worker gets (``torch.set_num_threads`` and core pinning, restored afterwards):
 
     colocated  2 threads   prefill chunks, decode batches and mixed steps (decodes + a chunk)
-    prefill    1 thread    prefill chunks (one or several prompts per step)
+    prefill    1 thread    prefill chunks (one or several prompts per step), each pushing its
+                           KV into a shared-memory pool as a P/D prefill worker does
     decode     1 thread    decode batches x context lengths
     encode     1 thread    vision tower, 1..8 tiles of 512 x 512
 
@@ -28,6 +29,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from functools import partial
+from multiprocessing import resource_tracker
 from types import ModuleType
 
 import numpy as np
@@ -50,10 +52,13 @@ from epdserve.sim.cost_model import (
     StepCost,
     StepShape,
 )
+from epdserve.transfer.connector import KVPusher
+from epdserve.transfer.shm_pool import SharedKVPool
 
 ROLES = (*STEP_ROLES, "encode")
 DEFAULT_THREADS = {"colocated": 2, "prefill": 1, "decode": 1, "encode": 1}  # one worker's cores here
 FIRST_TOKEN_ID = 100  # synthetic prompts use ids above the special tokens
+KV_PEER_ID = "profile-kv-peer"  # the prefill role's stand-in decode worker
 REMEASURE_ERROR = 0.05  # a point the fit misses by more than this (relative) is timed again
 REMEASURE_SHARE = 0.25  # at most this share of a role's points
 
@@ -101,6 +106,7 @@ class StepProbe:
         self._ids = itertools.count()
         self._params = SamplingParams(max_tokens=1 << 20, ignore_eos=True)
         self._vocab_size = engine.loaded.spec.vocab_size
+        self.kv_target: str | None = None  # set while prefill entries push their KV (``pushing_kv``)
 
     def _entry(self, start_pos: int, num_new: int, is_decode: bool) -> ScheduledRequest:
         request_id = f"probe-{next(self._ids)}"
@@ -110,7 +116,11 @@ class StepProbe:
             request.output_token_ids.append(tokens[-1])
         if not self.engine.kv_cache.allocate(request_id, 0, start_pos + num_new):
             raise ConfigError(f"probe KV cache too small for a step of {start_pos + num_new} tokens")
-        return ScheduledRequest(request, start_pos, num_new, self.engine.kv_cache.block_tables(request_id), True)
+        tables = self.engine.kv_cache.block_tables(request_id)
+        if self.kv_target is not None and not is_decode:
+            # The peer pool has as many blocks as this one: the same block ids address it.
+            request.kv_target, request.kv_target_block_ids = self.kv_target, tables
+        return ScheduledRequest(request, start_pos, num_new, tables, True)
 
     def build(self, point: StepPoint) -> SchedulerOutput:
         entries = [self._entry(s, n, is_decode=False) for s, n in point.prefills]
@@ -124,10 +134,37 @@ class StepProbe:
 
     def measure(self, point: StepPoint, grid: ProfileGrid) -> tuple[StepShape, float]:
         plan = self.build(point)
+        runner = self.engine.runner
         try:
-            return StepShape.from_scheduler_output(plan), median_time_s(lambda: self.engine.runner.execute(plan), grid)
+            return StepShape.from_scheduler_output(plan), median_time_s(lambda: runner.execute(plan), grid)
         finally:
+            if runner.pusher is not None:
+                runner.pusher.poll()  # forget the finished transfers
             self.release(plan)
+
+
+@contextlib.contextmanager
+def pushing_kv(probe: StepProbe) -> Iterator[SharedKVPool]:
+    """While the body runs, every prefill entry pushes its KV layer by layer into a second pool
+    in shared memory, as a P/D prefill worker writes into its decode worker's pages by default
+    (shm, layer-wise): that copy is the prefill thread's own work, part of its step time.
+    Yields the receiving pool."""
+    runner = probe.engine.runner
+    caches = runner.kv_caches
+    pool = SharedKVPool.create(caches[0].shape[1], caches[0].shape[2], [tuple(c.shape[3:]) for c in caches],
+                               caches[0].dtype)
+    pusher = KVPusher(caches, runner.layer_to_group, runner.block_size, layerwise=True)
+    try:
+        pusher.add_peer(KV_PEER_ID, pool.endpoint())
+        # Attaching in the creating process dropped the segment from this process's resource
+        # tracker; register it again so the owner's unlink stays balanced.
+        resource_tracker.register(pool.segment._name, "shared_memory")  # type: ignore[attr-defined]
+        runner.pusher, probe.kv_target = pusher, KV_PEER_ID
+        yield pool
+    finally:
+        runner.pusher, probe.kv_target = None, None
+        pusher.close()
+        pool.close()
 
 
 @dataclass(frozen=True)
@@ -186,7 +223,8 @@ class Profiler:
         points = self.points[role]
         grid = self.target.grid
         start = time.perf_counter()
-        with worker_threads(self.target.num_threads[role]):
+        kv_push = pushing_kv(self.probe) if role == "prefill" else contextlib.nullcontext()
+        with worker_threads(self.target.num_threads[role]), kv_push:
             samples = []
             for point in points:
                 samples.append(self.probe.measure(point, grid))

@@ -1,0 +1,270 @@
+"""Simulator fidelity: real epdserve against ``epdserve simulate`` on the same arrivals.
+
+    python benchmarks/sim_fidelity.py [--profile P] [--out out/sim_fidelity] [--quick]
+
+1. Profile this machine (``epdserve profile``, colocated workers at 1 thread: in both
+   topologies every worker has one core), unless ``--profile`` is given.
+2. Estimate each topology's capacity with the simulator: the highest rate whose SLO
+   attainment is >= 90 % on the random workload (256 in / 96 out tokens, +-25 %).
+3. For each topology (colocated x2: two colocated workers on one core each; 1P1D: one prefill
+   and one decode worker on one core each), start ``epdserve serve`` and run
+   ``epdserve bench serve`` at 0.5, 1.0 and 1.5 x that capacity (after an unscored warm-up;
+   each level has prompts of its own fixed seed, so none hits the prefix cache).
+4. Write each run's requests as a Mooncake trace (send time, prompt tokens as the server
+   counted them, output tokens) and replay it with ``epdserve simulate`` on the profile.
+5. Per (topology, load): TTFT P50/P99, TPOT P50/P99 and goodput, real vs simulated, the
+   relative error of each cell, and whether it is within 10 %.
+
+Both sides are scored by the same function from per-request records: TTFT, TPOT =
+(E2E - TTFT)/(output - 1), goodput = requests meeting every SLO / (last finish - first send).
+Writes ``results.json`` and ``report.md`` into the output directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from epdserve.bench.experiments.launch import start_server, stop_server
+from epdserve.bench.experiments.report import cpu_busy_share, machine_summary, markdown_table
+
+TOPOLOGIES = {  # simulator topology -> serve flags (every worker on one core)
+    "colocated=2": ["--colocated-workers", "2", "--cores-per-worker", "1"],
+    "prefill=1,decode=1": ["--prefill-workers", "1", "--decode-workers", "1", "--cores-per-worker", "1"],
+}
+MAX_MODEL_LEN = 1024
+ENGINE_FLAGS = ["--kv-cache-memory", "1", "--max-model-len", str(MAX_MODEL_LEN)]  # the profile records the same pool
+METRICS = ("ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "goodput")
+GOAL = 0.10  # |relative error| per cell
+TARGET_ATTAINMENT = 0.9
+WARMUP_SEED = 1000
+CAPACITY_RATES = tuple(round(0.25 * 1.25**k, 3) for k in range(20))  # 0.25 .. ~17 requests/s
+
+
+@dataclass(frozen=True)
+class Scale:
+    num_prompts: int  # per load level
+    num_warmup_prompts: int  # sent before the first level, not scored
+    input_len: int
+    output_len: int
+    range_ratio: float
+    load_levels: tuple[float, ...]  # multiples of the estimated capacity
+    slo_ttft_ms: float
+    slo_tpot_ms: float
+    profile_quick: bool
+
+
+FULL = Scale(160, 16, 256, 96, 0.25, (0.5, 1.0, 1.5), 1000.0, 80.0, False)
+QUICK = Scale(10, 4, 64, 8, 0.25, (0.5, 1.0), 1000.0, 80.0, True)
+
+
+def epdserve(*args: str) -> list[str]:
+    return [sys.executable, "-m", "epdserve.cli", *args]
+
+
+def run_logged(cmd: list[str], log: list[str]) -> subprocess.CompletedProcess:
+    """Run a command (its output captured), note it in ``log``; exit on failure."""
+    shown = "epdserve " + shlex.join(cmd[3:]) if cmd[:3] == epdserve() else shlex.join(cmd)
+    log.append(shown)
+    print(f"$ {shown}", flush=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        sys.exit(f"failed ({proc.returncode}): {shown}\n{proc.stderr.strip()[-2000:]}")
+    return proc
+
+
+def score(result: dict, slo_ttft_ms: float, slo_tpot_ms: float) -> dict:
+    """The compared metrics from a bench-shaped result's per-request lists."""
+    ok = [i for i, err in enumerate(result["errors"]) if not err]
+    ttft = np.array([result["ttfts"][i] for i in ok]) * 1e3
+    e2e = np.array([result["latencies"][i] for i in ok]) * 1e3
+    out = np.array([result["output_lens"][i] for i in ok])
+    tpot = np.where(out > 1, (e2e - ttft) / np.maximum(out - 1, 1), 0.0)
+    starts = np.array(result["start_times"])
+    ends = np.array([result["start_times"][i] + result["latencies"][i] for i in range(len(starts))])
+    span_s = float(ends.max() - starts.min()) if len(starts) else 0.0
+    num_good = int(np.sum((ttft <= slo_ttft_ms) & (tpot <= slo_tpot_ms)))
+    has_tpot = out > 1
+    return {
+        "ttft_p50_ms": float(np.percentile(ttft, 50)) if ok else None,
+        "ttft_p99_ms": float(np.percentile(ttft, 99)) if ok else None,
+        "tpot_p50_ms": float(np.percentile(tpot[has_tpot], 50)) if has_tpot.any() else None,
+        "tpot_p99_ms": float(np.percentile(tpot[has_tpot], 99)) if has_tpot.any() else None,
+        "goodput": num_good / span_s if span_s > 0 else 0.0,
+        "attainment": num_good / len(starts) if len(starts) else 0.0,
+        "num_failed": len(starts) - len(ok),
+        "span_s": span_s,
+    }
+
+
+def relative_error(sim: float | None, real: float | None) -> float | None:
+    if sim is None or real is None:
+        return None
+    if real == 0:
+        return 0.0 if sim == 0 else float("inf")
+    return (sim - real) / real
+
+
+def write_trace(result: dict, path: Path) -> None:
+    """The real run's requests as a Mooncake trace: send time (ms), prompt and output tokens."""
+    records = zip(result["start_times"], result["input_lens"], result["output_lens"])
+    lines = [json.dumps({"timestamp": t * 1e3, "input_length": n_in, "output_length": n_out}) for t, n_in, n_out in records]
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+
+
+def simulate(profile: Path, topology: str, workload: list[str], scale: Scale, out: Path, log: list[str]) -> dict:
+    run_logged(epdserve("simulate", "--profile", str(profile), "--topology", topology, *workload,
+                        "--goodput", f"ttft:{scale.slo_ttft_ms:g}", f"tpot:{scale.slo_tpot_ms:g}",
+                        "--max-model-len", str(MAX_MODEL_LEN), "--out", str(out), "--quiet"), log)
+    return json.loads(out.read_text())
+
+
+def estimate_capacity(profile: Path, topology: str, scale: Scale, out_dir: Path, log: list[str]) -> float:
+    """Highest ladder rate whose simulated SLO attainment is >= TARGET_ATTAINMENT."""
+    best = CAPACITY_RATES[0]
+    for rate in CAPACITY_RATES:
+        workload = ["--workload", "random", "--rate", f"{rate:g}", "--num-requests", str(scale.num_prompts),
+                    "--random-input-len", str(scale.input_len), "--random-output-len", str(scale.output_len),
+                    "--random-range-ratio", f"{scale.range_ratio:g}", "--seed", "0"]
+        name = topology.replace("=", "").replace(",", "_")
+        result = simulate(profile, topology, workload, scale, out_dir / f"capacity_{name}_{rate:g}.json", log)
+        if score(result, scale.slo_ttft_ms, scale.slo_tpot_ms)["attainment"] < TARGET_ATTAINMENT:
+            break
+        best = rate
+    return best
+
+
+def bench_serve(url: str, rate: float, num_prompts: int, seed: int, scale: Scale, out: Path, log: list[str]) -> dict:
+    run_logged(epdserve("bench", "serve", "--base-url", url, "--dataset", "random",
+                        "--num-prompts", str(num_prompts), "--random-input-len", str(scale.input_len),
+                        "--random-output-len", str(scale.output_len), "--random-range-ratio", f"{scale.range_ratio:g}",
+                        "--request-rate", f"{rate:.4g}", "--seed", str(seed), "--return-timing",
+                        "--goodput", f"ttft:{scale.slo_ttft_ms:g}", f"tpot:{scale.slo_tpot_ms:g}",
+                        "--result-json", str(out), "--disable-tqdm"), log)
+    return json.loads(out.read_text())
+
+
+def run_topology(topology: str, profile: Path, capacity: float, scale: Scale, out_dir: Path,
+                 log: list[str]) -> list[dict]:
+    name = topology.replace("=", "").replace(",", "_")
+    cells = []
+    server = start_server([*TOPOLOGIES[topology], *ENGINE_FLAGS], out_dir / "logs" / name)
+    log.append(server.command)
+    try:
+        # Warm-up (not scored): first-use costs (kernels, page faults on the KV pool) are not
+        # in the profile. Every level then has prompts of its own seed: with one seed the
+        # later levels would find the earlier levels' prompts in the prefix cache.
+        bench_serve(server.url, capacity, scale.num_warmup_prompts, WARMUP_SEED, scale, out_dir / f"warmup_{name}.json",
+                    log)
+        for index, level in enumerate(scale.load_levels):
+            rate = level * capacity
+            tag = f"{name}_x{level:g}"
+            real = bench_serve(server.url, rate, scale.num_prompts, index + 1, scale, out_dir / f"real_{tag}.json", log)
+            write_trace(real, out_dir / f"trace_{tag}.jsonl")
+            sim = simulate(profile, topology, ["--workload", "trace", str(out_dir / f"trace_{tag}.jsonl")], scale,
+                           out_dir / f"sim_{tag}.json", log)
+            cells.append(compare(topology, level, rate, real, sim, scale))
+            print(format_rows([cells[-1]]), flush=True)
+    finally:
+        stop_server(server)
+    return cells
+
+
+def compare(topology: str, level: float, rate: float, real: dict, sim: dict, scale: Scale) -> dict:
+    real_m = score(real, scale.slo_ttft_ms, scale.slo_tpot_ms)
+    sim_m = score(sim, scale.slo_ttft_ms, scale.slo_tpot_ms)
+    errors = {k: relative_error(sim_m[k], real_m[k]) for k in METRICS}
+    return {
+        "topology": topology, "load": level, "rate": rate, "real": real_m, "sim": sim_m, "rel_error": errors,
+        "is_within_goal": all(e is not None and abs(e) <= GOAL for e in errors.values()),
+        "real_ttft_breakdown_ms": real.get("ttft_breakdown_ms"), "sim_ttft_breakdown_ms": sim.get("ttft_breakdown_ms"),
+    }
+
+
+HEADERS = ["topology", "load", "req/s", *(f"{m} real / sim (err)" for m in METRICS), "≤10 %"]
+
+
+def format_rows(cells: list[dict]) -> str:
+    rows = []
+    for c in cells:
+        row = [c["topology"], f"{c['load']:g}x", f"{c['rate']:.2f}"]
+        for m in METRICS:
+            real, sim, err = c["real"][m], c["sim"][m], c["rel_error"][m]
+            digits = 2 if m == "goodput" else 0
+            row.append(f"{real:.{digits}f} / {sim:.{digits}f} ({100 * err:+.1f} %)" if err is not None else "—")
+        row.append("pass" if c["is_within_goal"] else "FAIL")
+        rows.append(row)
+    return markdown_table(HEADERS, rows)
+
+
+def build_report(cells: list[dict], capacities: dict[str, float], scale: Scale, commands: list[str],
+                 busy: float, profile: Path) -> str:
+    num_cells = sum(1 for c in cells for e in c["rel_error"].values() if e is not None)
+    num_within = sum(1 for c in cells for e in c["rel_error"].values() if e is not None and abs(e) <= GOAL)
+    return "\n".join([
+        "# sim_fidelity",
+        "",
+        (f"Random workload: {scale.num_prompts} requests per level, {scale.input_len} prompt tokens and "
+         f"{scale.output_len} output tokens (±{100 * scale.range_ratio:.0f} %), Poisson arrivals, seed 1, 2, 3 "
+         f"for the levels, after {scale.num_warmup_prompts} unscored warm-up requests per server. "
+         f"SLO: TTFT ≤ {scale.slo_ttft_ms:g} ms and TPOT ≤ {scale.slo_tpot_ms:g} ms. Loads are multiples of the "
+         "capacity the simulator estimates (highest rate with ≥ 90 % SLO attainment): "
+         + ", ".join(f"{t}: {r:g} req/s" for t, r in capacities.items()) + "."),
+        "",
+        f"Machine: {machine_summary(busy)}  ",
+        f"Profile: `{profile}`",
+        "",
+        format_rows(cells),
+        "",
+        f"Cells within {100 * GOAL:.0f} %: {num_within} of {num_cells}.",
+        "",
+        "Commands:",
+        "",
+        *[f"- `{c}`" for c in commands if not c.startswith("epdserve simulate") or "trace" in c],
+        "",
+    ])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--profile", type=Path, default=None, help="profile.json (default: measure one first)")
+    parser.add_argument("--out", type=Path, default=Path("out/sim_fidelity"))
+    parser.add_argument("--only", choices=list(TOPOLOGIES), default=None, help="run just this topology")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes: checks that everything runs")
+    ns = parser.parse_args(argv)
+    scale = QUICK if ns.quick else FULL
+    out_dir: Path = ns.out
+    out_dir.mkdir(parents=True, exist_ok=True)
+    busy = cpu_busy_share()
+    print(f"CPU busy with other work before the start: {100 * busy:.0f} %", flush=True)
+    commands: list[str] = []
+    profile = ns.profile
+    if profile is None:
+        profile = out_dir / "profile.json"
+        run_logged(epdserve("profile", "--roles", "colocated,prefill,decode", "--threads", "colocated=1",
+                            *ENGINE_FLAGS, "--out", str(profile), "--disable-tqdm",
+                            *(["--quick"] if scale.profile_quick else [])), commands)
+    topologies = [ns.only] if ns.only else list(TOPOLOGIES)
+    started = time.time()
+    capacities = {t: estimate_capacity(profile, t, scale, out_dir / "capacity", commands) for t in topologies}
+    print("capacity (simulated): " + ", ".join(f"{t} {r:g} req/s" for t, r in capacities.items()), flush=True)
+    cells = [cell for t in topologies for cell in run_topology(t, profile, capacities[t], scale, out_dir, commands)]
+    report = build_report(cells, capacities, scale, commands, busy, profile)
+    results = {"scale": scale.__dict__, "capacities": capacities, "cells": cells, "busy_at_start": busy,
+               "profile": str(profile), "commands": commands, "wall_s": time.time() - started}
+    (out_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
+    (out_dir / "report.md").write_text(report, encoding="utf-8")
+    print(report)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
