@@ -3,12 +3,15 @@
 Arms (each on a fresh server, all on the same two cores; requests one at a time, so TTFT
 measures the pipeline and not queueing):
 
-    colocated          one worker on both cores, encodes images in-process (2 threads)
-    epd                encode | prefill | decode workers, one core each (decode shares core 0
-                       with encode); prefill runs up to the first image not yet embedded
-    epd_no_pipeline    the same, but prefill waits for every image of the request
-    e_colocated        (full run) encode worker on core 0, colocated worker on core 1
-    epd_batch2         (full run) epd with two images per encoder forward pass
+    colocated                 one worker on both cores, encodes images in-process (2 threads)
+    epd                       encode | prefill | decode workers, one core each (decode shares
+                              core 0 with encode); prefill runs up to the first image not yet
+                              embedded
+    epd_no_pipeline           the same, but prefill waits for every image of the request
+    epd_no_pipeline_chunk256  (full run) epd_no_pipeline with prefill cut into 256-token chunks,
+                              about the one-image pieces pipelined prefill runs: what cutting costs
+    e_colocated               (full run) encode worker on core 0, colocated worker on core 1
+    epd_batch2                (full run) epd with two images per encoder forward pass
 
 Workloads: ``small`` (one small image per request) and ``multi`` (several one-tile images),
 each with a short random text prompt and ``ignore_eos``. The images are generated once and
@@ -71,7 +74,7 @@ class Scale:
     max_model_len: int
     kv_cache_gib: float
     request_timeout_s: float
-    has_extra_arms: bool  # also e_colocated and epd_batch2
+    has_extra_arms: bool  # also epd_no_pipeline_chunk256, e_colocated and epd_batch2
 
     def __post_init__(self) -> None:
         if self.num_requests < 1 or self.num_warmup < 0 or self.output_len < 1:
@@ -95,6 +98,7 @@ def arms(scale: Scale) -> dict[str, list[str]]:
         "epd_no_pipeline": [*epd, "--no-encode-pipeline"],
     }
     if scale.has_extra_arms:
+        out["epd_no_pipeline_chunk256"] = [*epd, "--no-encode-pipeline", "--max-num-batched-tokens", "256"]
         out["e_colocated"] = ["--encode-workers", "1", "--colocated-workers", "1", "--cores-per-worker", "1"]
         out["epd_batch2"] = [*epd, "--encode-batch-images", "2"]
     return {name: [*flags, *common] for name, flags in out.items()}
@@ -193,8 +197,8 @@ def _median_timeline(ok: list[RequestOutput]) -> dict | None:
         value = t.get(key) or 0.0
         return (value - arrived) * 1e3 if value and arrived else None
 
-    return {key: since(key) for key in ("encode_start", "encode_end", "prefill_start", "prefill_end", "first_token")} | {
-        "client_ttft_ms": out.ttft_s * 1e3}
+    spans = {key: since(key) for key in ("encode_start", "encode_end", "prefill_start", "prefill_end", "first_token")}
+    return spans | {"client_ttft_ms": out.ttft_s * 1e3}
 
 
 def summarize_arm(cells: dict[str, dict], runs: dict[str, CellRun]) -> dict:

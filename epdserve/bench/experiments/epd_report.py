@@ -13,16 +13,18 @@ if TYPE_CHECKING:
 
 NAME = "epd"
 PIPELINE_GOAL = 0.7  # pipelined E/P/D TTFT P50 for the multi-image load at most this x unpipelined
+CHUNKED_ARM = "epd_no_pipeline_chunk256"
 
 SEED_TABLE = markdown_table(
-    ["seed (H20, Qwen3.5-397B-FP8 TP8; E/P/D adds 4 encoder GPUs on another machine, RDMA)", "E/P/D vs colocated TTFT"],
+    ["seed: H20, Qwen3.5-397B-FP8 TP8; E/P/D adds 4 encoder GPUs on another machine (RDMA)",
+     "E/P/D vs colocated TTFT"],
     [["8 images per request, idle", "−31 %"], ["8 images per request, under load", "−40 to −61 %"],
      ["one image per request", "+10 to +68 % (the extra hop)"]],
 )
-# (label, key in the server's timing means, colour); ``other`` is client TTFT less their sum.
+# (label, key in the server's timing means, colour); the rest of the client's TTFT is "other".
 SEGMENTS = (("queue", "queue_ms", "tab:gray"), ("encode span", "encode_ms", "tab:orange"),
-            ("prefill after last embedding", "prefill_ms", "tab:blue"), ("KV blocking", "kv_blocking_ms", "tab:red"),
-            ("first token out", "first_token_ms", "tab:green"))
+            ("prefill after last embedding", "prefill_ms", "tab:blue"),
+            ("KV blocking", "kv_blocking_ms", "tab:red"), ("first token out", "first_token_ms", "tab:green"))
 
 
 def arm_names(results: dict, scale: Scale) -> list[str]:
@@ -39,6 +41,14 @@ def _p50(results: dict, arm: str, load: str) -> float:
     return float(results.get(arm, {}).get(load, {}).get("ttft_p50_ms") or 0.0)
 
 
+def _div(top: float, bottom: float) -> float | None:
+    return top / bottom if bottom else None
+
+
+def _x(ratio: float | None, digits: int = 2) -> str:
+    return "—" if ratio is None else f"{ratio:.{digits}f}"
+
+
 def _pct(ratio: float | None) -> str:
     """A TTFT ratio as a change: 0.7 -> "−30 %"; None -> "—"."""
     if ratio is None:
@@ -47,9 +57,13 @@ def _pct(ratio: float | None) -> str:
     return f"{'+' if change >= 0 else '−'}{abs(change):.0f} %"
 
 
+def _bytes(value: float | None) -> str:
+    return "—" if value is None else f"{value:,.0f}"
+
+
 def ttft_table(results: dict, scale: Scale) -> str:
-    headers = ["arm", "load", "TTFT P50 ms", "TTFT P99 ms", "E2E P50 ms", "queue", "encode span", "prefill overlapped",
-               "prefill after encode", "KV blocking", "first token", "client − server", "errors"]
+    headers = ["arm", "load", "TTFT P50", "TTFT P99", "E2E P50", "queue", "encode span", "prefill overlap (span)",
+               "prefill after last embedding", "KV blocking", "first token", "client − server", "errors"]
     rows = []
     for arm in arm_names(results, scale):
         for load in scale.loads:
@@ -63,29 +77,30 @@ def ttft_table(results: dict, scale: Scale) -> str:
 
 def bytes_table(results: dict, scale: Scale) -> str:
     expected = results["expected"]
-    headers = ["arm", "load", "embedding B/image (E→P, measured)", "formula tokens × hidden × 2 B",
-               "KV B/request (P→D)", "E→P : P→D bytes", "encoder-cache hits"]
+    headers = ["arm", "load", "E→P B/image (measured)", "tokens × hidden × 2 B", "P→D KV B/request",
+               "E→P : P→D"]
     rows = []
     for arm in arm_names(results, scale):
         for load in scale.loads:
             c, e = results[arm][load.name], expected["loads"][load.name]
-            rows.append([arm, load.name, c["embedding_bytes_per_image"],
-                         f"{e['num_image_tokens']} × {expected['hidden_size']} × 2 = {e['embedding_bytes_per_image']:,}",
-                         c["kv_bytes_per_request"], c["e_to_p_over_p_to_d"], c["num_encoder_cache_hits"]])
+            tokens, hidden = e["num_image_tokens"], expected["hidden_size"]
+            formula = f"{tokens} × {hidden} × 2 = {e['embedding_bytes_per_image']:,}"
+            rows.append([arm, load.name, _bytes(c["embedding_bytes_per_image"]), formula,
+                         _bytes(c["kv_bytes_per_request"]), _x(c["e_to_p_over_p_to_d"], 3)])
     return markdown_table(headers, rows)
 
 
-def ideal_pipelined_ratio(results: dict, multi: str, num_images: int) -> float | None:
-    """The best pipelining can do, from the unpipelined arm's means: encode E and prefill P
-    over n images overlap except one image's share of the shorter stage:
-    (max(E, P) + min(E, P) / n + rest) / (E + P + rest)."""
+def pipeline_bound(results: dict, multi: str, num_images: int, prefill_ms: float) -> float | None:
+    """The best pipelined / unpipelined ratio from the unpipelined arm's means: encode E and
+    prefill P (``prefill_ms``) overlap except one image's share of the shorter stage,
+    (max(E, P) + min(E, P) / n + rest) / (E + P_unpipelined + rest)."""
     encode, prefill = _bd(results, "epd_no_pipeline", multi, "encode_ms"), _bd(results, "epd_no_pipeline", multi,
                                                                                "prefill_ms")
     total = _p50(results, "epd_no_pipeline", multi)
-    if not total or not encode:
+    if not total or not encode or not prefill_ms:
         return None
     rest = max(0.0, total - encode - prefill)
-    return (max(encode, prefill) + min(encode, prefill) / num_images + rest) / total
+    return (max(encode, prefill_ms) + min(encode, prefill_ms) / num_images + rest) / total
 
 
 def build_report(results: dict, scale: Scale, commands: dict[str, str], run: ExperimentRun,
@@ -100,9 +115,10 @@ def build_report(results: dict, scale: Scale, commands: dict[str, str], run: Exp
          f"{scale.num_requests} measured requests per cell. `{small.name}`: {small.num_images} image of "
          f"{small.width}x{small.height} per request; `{multi.name}`: {multi.num_images} images of "
          f"{multi.width}x{multi.height}. Every image is distinct (no encoder-cache hits); every arm gets the same "
-         "requests on a fresh server and the same two cores. TTFT is client-measured; the decomposition columns are "
-         "means of the server's `timing` (ms): the encode span runs from the first image's encode start to the "
-         "last embedding in the consumer, prefill overlapped is the part of prefill inside that span."),
+         "requests on a fresh server and the same two cores. TTFT is client-measured (ms); the other columns are "
+         "means of the server's `timing` (ms). Encode span: first image's encode start to last embedding in the "
+         "consumer. Prefill overlap (span): first prefill chunk to last embedding, waits for embeddings included "
+         "(a wall span, not compute)."),
         "",
         *run.header_lines(),
         "",
@@ -114,10 +130,11 @@ def build_report(results: dict, scale: Scale, commands: dict[str, str], run: Exp
         "",
         "## Against colocated, and the seed",
         "",
-        (f"- E/P/D / colocated TTFT P50, `{small.name}`: {results['epd_over_colocated_small'] or 0.0:.2f} "
-         f"({_pct(results['epd_over_colocated_small'])}; seed for one image: +10 to +68 %)."),
-        (f"- E/P/D / colocated TTFT P50, `{multi.name}`: {results['epd_over_colocated_multi'] or 0.0:.2f} "
-         f"({_pct(results['epd_over_colocated_multi'])}; seed for 8 images: −31 % idle, −40 to −61 % loaded)."),
+        (f"- E/P/D / colocated TTFT P50, `{small.name}`: {_x(results['epd_over_colocated_small'])} "
+         f"({_pct(results['epd_over_colocated_small'])}; the seed for one image: +10 to +68 %)."),
+        (f"- E/P/D / colocated TTFT P50, `{multi.name}`: {_x(results['epd_over_colocated_multi'])} "
+         f"({_pct(results['epd_over_colocated_multi'])}; the seed for 8 images: −31 % idle, "
+         "−40 to −61 % loaded)."),
         "",
         SEED_TABLE,
         "",
@@ -138,56 +155,74 @@ def build_report(results: dict, scale: Scale, commands: dict[str, str], run: Exp
 
 def goal_line(results: dict, scale: Scale) -> str:
     ratio = results["pipelined_over_unpipelined_multi"]
-    return (f"- Pipelined / unpipelined E/P/D TTFT P50, `{scale.loads[-1].name}`: "
-            f"{'—' if ratio is None else f'{ratio:.2f}'} (goal ≤ {PIPELINE_GOAL:g}: "
-            f"{verdict(ratio is not None and ratio <= PIPELINE_GOAL)}).")
+    return (f"- Pipelined / unpipelined E/P/D TTFT P50, `{scale.loads[-1].name}`: {_x(ratio)} "
+            f"(goal ≤ {PIPELINE_GOAL:g}: {verdict(ratio is not None and ratio <= PIPELINE_GOAL)}).")
 
 
 def why_lines(results: dict, scale: Scale) -> list[str]:
     """The explanation, with this run's numbers in it."""
-    small, multi = scale.loads[0].name, scale.loads[-1]
-    n = multi.num_images
-    e1, e2 = _bd(results, "epd", small, "encode_ms"), _bd(results, "colocated", small, "encode_ms")
-    enc_np, pre_np = _bd(results, "epd_no_pipeline", multi.name, "encode_ms"), _bd(results, "epd_no_pipeline",
-                                                                                 multi.name, "prefill_ms")
-    overlap, after = _bd(results, "epd", multi.name, "prefill_overlap_ms"), _bd(results, "epd", multi.name, "prefill_ms")
-    ideal = ideal_pipelined_ratio(results, multi.name, n)
-    ratio = results["pipelined_over_unpipelined_multi"]
-    col_small, col_multi = _p50(results, "colocated", small), _p50(results, "colocated", multi.name)
-    epd_small, epd_multi = _p50(results, "epd", small), _p50(results, "epd", multi.name)
+    small, multi, n = scale.loads[0].name, scale.loads[-1].name, scale.loads[-1].num_images
+    enc1, enc2 = _bd(results, "epd", small, "encode_ms"), _bd(results, "colocated", small, "encode_ms")
+    pre1, pre2 = _bd(results, "epd_no_pipeline", small, "prefill_ms"), _bd(results, "colocated", small, "prefill_ms")
+    enc_np, pre_np = _bd(results, "epd_no_pipeline", multi, "encode_ms"), _bd(results, "epd_no_pipeline", multi,
+                                                                               "prefill_ms")
+    enc_p, after = _bd(results, "epd", multi, "encode_ms"), _bd(results, "epd", multi, "prefill_ms")
+    pre_chunked = _bd(results, CHUNKED_ARM, multi, "prefill_ms") or pre_np
+    col_small, col_multi = _p50(results, "colocated", small), _p50(results, "colocated", multi)
+    epd_small, epd_multi = _p50(results, "epd", small), _p50(results, "epd", multi)
+    small_ratio, ratio = _div(epd_small, col_small), results["pipelined_over_unpipelined_multi"]
     expected = results["expected"]
     lines = [
-        (f"- Encoding one tile takes {e1:.0f} ms on an encode worker's one core (embedding write and the router "
-         f"hop included) and {e2:.0f} ms in the colocated worker on two threads "
-         f"({e1 / e2 if e2 else 0.0:.2f}× faster there). E/P/D gives each stage one core; colocated gives every "
-         "stage both, one stage after the other. A split pays only where the stages overlap."),
-        (f"- `{small}`: one image leaves nothing to overlap except the short text before it, so E/P/D adds the hop "
-         f"and loses the second thread: {epd_small:.0f} vs {col_small:.0f} ms colocated "
-         f"({_pct(epd_small / col_small if col_small else None)}). The seed saw the same sign (+10 to +68 %)."),
-        (f"- `{multi.name}` unpipelined: encode {enc_np:.0f} ms ({enc_np / n:.0f} per image), then prefill "
-         f"{pre_np:.0f} ms ({pre_np / n:.0f} per image) once every embedding is there. Pipelining can hide at most "
-         f"min(encode, prefill) less one image's share of it: best ratio "
-         f"{'—' if ideal is None else f'{ideal:.2f}'} from these means, measured "
-         f"{'—' if ratio is None else f'{ratio:.2f}'}."),
-        (f"- `{multi.name}` pipelined: {overlap:.0f} ms of prefill ran inside the {_bd(results, 'epd', multi.name, 'encode_ms'):.0f} ms "
-         f"encode span and {after:.0f} ms after the last embedding; TTFT {epd_multi:.0f} vs {col_multi:.0f} ms "
-         f"colocated ({_pct(epd_multi / col_multi if col_multi else None)}; seed −31 to −61 %, with four extra "
-         "encoder GPUs rather than the same hardware split three ways)."),
-        (f"- Bytes: an image token's embedding is {expected['hidden_size']} × 2 = {expected['hidden_size'] * 2:,} B "
-         f"while its KV is {expected['kv_bytes_per_token']:,} B (2 × layers × KV heads × head dim × 2 B), so E→P "
-         "moves about a twentieth of P→D's bytes per image token; the measured ratios are in the bytes table. "
-         "Both hops here are shared-memory copies on one machine, so neither is a bandwidth cost."),
+        (f"- Threads: one tile encodes in {enc1:.0f} ms on an encode worker's one core and in {enc2:.0f} ms on the "
+         f"colocated worker's two threads ({_x(_div(enc1, enc2))}×); the small request's prefill takes {pre1:.0f} "
+         f"vs {pre2:.0f} ms ({_x(_div(pre1, pre2))}×). E/P/D runs each stage on one core; colocated runs each stage "
+         "on both, one after the other. On the same cores a split wins only where overlapping the stages gains "
+         "more than the second thread did."),
+        (f"- `{small}`: nothing overlaps (only the short text before the image can prefill while it encodes), so "
+         f"E/P/D is one-core encode + one-core prefill: {epd_small:.0f} vs {col_small:.0f} ms colocated "
+         f"({_pct(small_ratio)}; the seed: +10 to +68 %). The hop itself is small: writing the embedding into the "
+         f"prefill worker's slab takes {_bd(results, 'epd', small, 'embed_transfer_ms'):.1f} ms, the rest of it is "
+         "two messages through the router."),
+        (f"- `{multi}` unpipelined: encode span {enc_np:.0f} ms ({enc_np / n:.0f} per image), then prefill "
+         f"{pre_np:.0f} ms ({pre_np / n:.0f} per image; {pre1:.0f} ms for the small request's one image: later "
+         "images attend over all earlier tokens). Prefill is the longer stage, and pipelining can hide at most "
+         f"the shorter one less one image's share: bound {_x(pipeline_bound(results, multi, n, pre_np))} from "
+         "these means."),
     ]
-    if "epd_batch2" in results:
+    if CHUNKED_ARM in results:
         lines.append(
-            f"- Two images per encoder pass (`epd_batch2`): TTFT P50 {_p50(results, 'epd_batch2', multi.name):.0f} ms "
-            f"for `{multi.name}` vs {epd_multi:.0f} ms with one; embeddings then arrive in pairs, so prefill "
-            "waits for two images at a time.")
+            f"- Pipelined prefill runs image-sized chunks. Cut into 256-token chunks the same unpipelined prefill "
+            f"takes {pre_chunked:.0f} ms ({_pct(_div(pre_chunked, pre_np))} over one 2048-token chunk; a later chunk "
+            "copies the earlier tokens' KV out of the paged cache in every layer, and every step has fixed costs), "
+            "which moves the bound to "
+            f"{_x(pipeline_bound(results, multi, n, pre_chunked))}.")
+    lines += [
+        (f"- `{multi}` pipelined: encode span {enc_p:.0f} ms (unpipelined {enc_np:.0f}), then {after:.0f} ms of "
+         f"prefill after the last embedding; so about {max(0.0, pre_chunked - after):.0f} ms of the "
+         f"{pre_chunked:.0f} ms chunked prefill ran inside the encode span and the prefill worker sat idle for "
+         f"about {max(0.0, enc_p - (pre_chunked - after)):.0f} ms of it (the first image's encode, "
+         f"{enc_np / n:.0f} ms, included). Measured ratio {_x(ratio)}."),
+        (f"- Against colocated, `{multi}`: {epd_multi:.0f} vs {col_multi:.0f} ms "
+         f"({_pct(_div(epd_multi, col_multi))}). Pipelined E/P/D costs about one image's encode plus the whole "
+         "prefill on one core; colocated costs encode plus prefill at two threads. With two threads worth about "
+         f"{_x(_div(pre1, pre2), 1)}×, the split wins only when the longer stage is under about "
+         f"{_x(_div(100.0, _div(pre1, pre2) or 1.0), 0)} % of the sum; prefill here is "
+         f"{_x(_div(100 * pre_np, pre_np + enc_np), 0)} %. The seed's gain came with four extra encoder GPUs, "
+         "not from splitting the same hardware."),
+        (f"- Bytes: an image token's embedding is {expected['hidden_size']} × 2 = {expected['hidden_size'] * 2:,} B "
+         f"and its KV {expected['kv_bytes_per_token']:,} B (2 × layers × KV heads × head dim × 2 B), so E→P is "
+         f"1/{_x(_div(expected['kv_bytes_per_token'], expected['hidden_size'] * 2), 0)} of P→D per image token "
+         "and P→D also carries the text's KV. Both hops are shared-memory copies on one machine here."),
+    ]
     if "e_colocated" in results:
         lines.append(
-            f"- `e_colocated` (encode worker on one core, colocated worker on the other): "
-            f"`{small}` {_p50(results, 'e_colocated', small):.0f} ms, `{multi.name}` "
-            f"{_p50(results, 'e_colocated', multi.name):.0f} ms.")
+            f"- `e_colocated` (encode worker on one core, a colocated worker on the other, no P→D hop): "
+            f"`{small}` {_p50(results, 'e_colocated', small):.0f} ms, `{multi}` "
+            f"{_p50(results, 'e_colocated', multi):.0f} ms.")
+    if "epd_batch2" in results:
+        lines.append(
+            f"- Two images per encoder pass (`epd_batch2`): `{multi}` {_p50(results, 'epd_batch2', multi):.0f} ms vs "
+            f"{epd_multi:.0f} ms with one; embeddings arrive in pairs, so prefill starts later.")
     return lines
 
 
@@ -197,12 +232,12 @@ def write_plots(results: dict, scale: Scale, out_dir: Path) -> list[Path]:
     plt = pyplot()
     out_dir.mkdir(parents=True, exist_ok=True)
     arms = arm_names(results, scale)
-    fig, axes = plt.subplots(1, len(scale.loads), figsize=(5.0 * len(scale.loads), 4.2), squeeze=False)
+    fig, axes = plt.subplots(1, len(scale.loads), figsize=(5.0 * len(scale.loads) + 2.0, 4.4), squeeze=False)
     for ax, load in zip(axes[0], scale.loads):
         for x, arm in enumerate(arms):
             cell = results[arm][load.name]
             bottom = 0.0
-            for i, (label, key, colour) in enumerate(SEGMENTS):
+            for label, key, colour in SEGMENTS:
                 height = cell["breakdown_mean_ms"].get(key) or 0.0
                 ax.bar(x, height, bottom=bottom, color=colour, label=label if x == 0 else None)
                 bottom += height
@@ -210,28 +245,30 @@ def write_plots(results: dict, scale: Scale, out_dir: Path) -> list[Path]:
             ax.bar(x, other, bottom=bottom, color="tab:purple", label="HTTP / router / other" if x == 0 else None)
             if cell["ttft_p50_ms"] is not None:
                 ax.plot(x, cell["ttft_p50_ms"], "k_", markersize=18, label="TTFT P50" if x == 0 else None)
-        ax.set_xticks(range(len(arms)), arms, rotation=20, fontsize=8)
+        ax.set_xticks(range(len(arms)), arms, rotation=25, ha="right", fontsize=7)
         ax.set_ylabel("ms (mean TTFT, stacked)")
         ax.set_title(f"{load.name}: {load.num_images} × {load.width}x{load.height}", fontsize=10)
         ax.grid(True, axis="y", alpha=0.3)
-    axes[0, 0].legend(fontsize=7)
+    axes[0, -1].legend(*axes[0, 0].get_legend_handles_labels(), fontsize=7, loc="upper left",
+                       bbox_to_anchor=(1.0, 1.0))
     paths = [save_figure(fig, out_dir / "ttft_breakdown.png")]
 
     multi = scale.loads[-1].name
-    fig, ax = plt.subplots(figsize=(9.0, 0.8 + 0.6 * len(arms)))
+    fig, ax = plt.subplots(figsize=(10.0, 1.0 + 0.6 * len(arms)))
     for y, arm in enumerate(arms):
         t = results[arm][multi]["timeline"] or {}
-        if t.get("encode_start") is not None and t.get("encode_end") is not None:
-            ax.barh(y + 0.15, t["encode_end"] - t["encode_start"], left=t["encode_start"], height=0.28,
-                    color="tab:orange", label="encode span" if y == 0 else None)
-        if t.get("prefill_start") is not None and t.get("prefill_end") is not None:
-            ax.barh(y - 0.15, t["prefill_end"] - t["prefill_start"], left=t["prefill_start"], height=0.28,
-                    color="tab:blue", label="prefill span" if y == 0 else None)
+        for key, offset, colour, label in (("encode", 0.15, "tab:orange", "encode span"),
+                                           ("prefill", -0.15, "tab:blue", "prefill span")):
+            start, end = t.get(f"{key}_start"), t.get(f"{key}_end")
+            if start is not None and end is not None:
+                ax.barh(y + offset, end - start, left=start, height=0.28, color=colour,
+                        label=label if y == 0 else None)
         if t.get("first_token") is not None:
             ax.plot(t["first_token"], y, "k|", markersize=16, label="first token (server)" if y == 0 else None)
     ax.set_yticks(range(len(arms)), arms, fontsize=8)
-    ax.set_xlabel(f"ms since the request arrived (median-TTFT `{multi}` request of each arm)")
+    ax.set_xlabel(f"ms since the request arrived (the median-TTFT `{multi}` request of each arm)")
+    ax.set_xlim(left=0.0)
     ax.grid(True, axis="x", alpha=0.3)
-    ax.legend(fontsize=7, loc="lower right")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     paths.append(save_figure(fig, out_dir / "timeline.png"))
     return paths
