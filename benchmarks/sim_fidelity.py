@@ -24,16 +24,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import resource
 import shlex
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Self
 
 import numpy as np
 
-from epdserve.bench.experiments.launch import start_server, stop_server
+from epdserve.bench.experiments.launch import list_workers, start_server, stop_server
 from epdserve.bench.experiments.report import cpu_busy_share, machine_summary, markdown_table
 
 TOPOLOGIES = {  # simulator topology -> serve flags (every worker on one core)
@@ -46,6 +49,9 @@ METRICS = ("ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "goodput"
 GOAL = 0.10  # |relative error| per cell
 TARGET_ATTAINMENT = 0.9
 WARMUP_SEED = 1000
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+IDLE_SHARE = 0.05  # other work below this share of the CPUs counts as idle
+IDLE_WINDOW_S = 3.0
 CAPACITY_RATES = tuple(round(0.25 * 1.25**k, 3) for k in range(20))  # 0.25 .. ~17 requests/s
 
 
@@ -152,12 +158,67 @@ def bench_serve(url: str, rate: float, num_prompts: int, seed: int, scale: Scale
     return json.loads(out.read_text())
 
 
+def cpu_ticks() -> tuple[int, int]:
+    """(busy, total) clock ticks of all CPUs since boot, from /proc/stat."""
+    with open("/proc/stat", encoding="utf-8") as f:
+        fields = [int(v) for v in f.readline().split()[1:9]]
+    return sum(fields) - fields[3] - fields[4], sum(fields)
+
+
+def own_ticks(pids: list[int]) -> int:
+    """CPU ticks used by ``pids`` (the server and its workers) and by this script's waited-for
+    children (the bench client)."""
+    ticks = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat", encoding="utf-8") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            ticks += int(fields[11]) + int(fields[12])  # utime, stime
+        except (OSError, IndexError, ValueError):
+            pass
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return ticks + round((children.ru_utime + children.ru_stime) * CLOCK_TICKS)
+
+
+class OtherWork:
+    """Share of all CPU time that processes other than the server, its workers and the bench
+    client used while the body ran: other work on the machine skews every real timing."""
+
+    def __init__(self, pids: list[int]) -> None:
+        self.pids = pids
+        self.share = 0.0
+
+    def __enter__(self) -> Self:
+        self._start = (*cpu_ticks(), own_ticks(self.pids))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        busy, total = cpu_ticks()
+        own = own_ticks(self.pids)
+        elapsed = total - self._start[1]
+        other = (busy - self._start[0]) - (own - self._start[2])
+        self.share = max(0.0, other / elapsed) if elapsed > 0 else 0.0
+
+
+def wait_for_idle(pids: list[int], max_wait_s: float) -> float:
+    """Wait (up to ``max_wait_s``) until other work uses under IDLE_SHARE of the CPUs over a
+    short window; returns the last window's share."""
+    deadline = time.monotonic() + max_wait_s
+    while True:
+        with OtherWork(pids) as other:
+            time.sleep(IDLE_WINDOW_S)
+        if other.share < IDLE_SHARE or time.monotonic() >= deadline:
+            return other.share
+        print(f"other work uses {100 * other.share:.0f} % of the CPUs; waiting", flush=True)
+
+
 def run_topology(topology: str, profile: Path, capacity: float, scale: Scale, out_dir: Path,
-                 log: list[str]) -> list[dict]:
+                 log: list[str], max_wait_idle_s: float) -> list[dict]:
     name = topology.replace("=", "").replace(",", "_")
     cells = []
     server = start_server([*TOPOLOGIES[topology], *ENGINE_FLAGS], out_dir / "logs" / name)
     log.append(server.command)
+    pids = [server.process.pid, *(w["pid"] for w in list_workers(server))]
     try:
         # Warm-up (not scored): first-use costs (kernels, page faults on the KV pool) are not
         # in the profile. Every level then has prompts of its own seed: with one seed the
@@ -167,11 +228,14 @@ def run_topology(topology: str, profile: Path, capacity: float, scale: Scale, ou
         for index, level in enumerate(scale.load_levels):
             rate = level * capacity
             tag = f"{name}_x{level:g}"
-            real = bench_serve(server.url, rate, scale.num_prompts, index + 1, scale, out_dir / f"real_{tag}.json", log)
+            wait_for_idle(pids, max_wait_idle_s)
+            with OtherWork(pids) as other:
+                real = bench_serve(server.url, rate, scale.num_prompts, index + 1, scale, out_dir / f"real_{tag}.json",
+                                   log)
             write_trace(real, out_dir / f"trace_{tag}.jsonl")
             sim = simulate(profile, topology, ["--workload", "trace", str(out_dir / f"trace_{tag}.jsonl")], scale,
                            out_dir / f"sim_{tag}.json", log)
-            cells.append(compare(topology, level, rate, real, sim, scale))
+            cells.append({**compare(topology, level, rate, real, sim, scale), "other_work_share": other.share})
             print(format_rows([cells[-1]]), flush=True)
     finally:
         stop_server(server)
@@ -189,7 +253,7 @@ def compare(topology: str, level: float, rate: float, real: dict, sim: dict, sca
     }
 
 
-HEADERS = ["topology", "load", "req/s", *(f"{m} real / sim (err)" for m in METRICS), "≤10 %"]
+HEADERS = ["topology", "load", "req/s", *(f"{m} real / sim (err)" for m in METRICS), "≤10 %", "other work"]
 
 
 def format_rows(cells: list[dict]) -> str:
@@ -201,6 +265,7 @@ def format_rows(cells: list[dict]) -> str:
             digits = 2 if m == "goodput" else 0
             row.append(f"{real:.{digits}f} / {sim:.{digits}f} ({100 * err:+.1f} %)" if err is not None else "—")
         row.append("pass" if c["is_within_goal"] else "FAIL")
+        row.append(f"{100 * c.get('other_work_share', 0.0):.0f} %")
         rows.append(row)
     return markdown_table(HEADERS, rows)
 
@@ -239,6 +304,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("out/sim_fidelity"))
     parser.add_argument("--only", choices=list(TOPOLOGIES), default=None, help="run just this topology")
     parser.add_argument("--quick", action="store_true", help="tiny sizes: checks that everything runs")
+    parser.add_argument("--max-wait-idle-s", type=float, default=600.0,
+                        help="before each level, wait up to this long for other work to leave the CPUs")
     ns = parser.parse_args(argv)
     scale = QUICK if ns.quick else FULL
     out_dir: Path = ns.out
@@ -248,6 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     commands: list[str] = []
     profile = ns.profile
     if profile is None:
+        wait_for_idle([], ns.max_wait_idle_s)
         profile = out_dir / "profile.json"
         run_logged(epdserve("profile", "--roles", "colocated,prefill,decode", "--threads", "colocated=1",
                             *ENGINE_FLAGS, "--out", str(profile), "--disable-tqdm",
@@ -256,7 +324,8 @@ def main(argv: list[str] | None = None) -> int:
     started = time.time()
     capacities = {t: estimate_capacity(profile, t, scale, out_dir / "capacity", commands) for t in topologies}
     print("capacity (simulated): " + ", ".join(f"{t} {r:g} req/s" for t, r in capacities.items()), flush=True)
-    cells = [cell for t in topologies for cell in run_topology(t, profile, capacities[t], scale, out_dir, commands)]
+    cells = [cell for t in topologies for cell in run_topology(t, profile, capacities[t], scale, out_dir, commands,
+                                                    ns.max_wait_idle_s)]
     report = build_report(cells, capacities, scale, commands, busy, profile)
     results = {"scale": scale.__dict__, "capacities": capacities, "cells": cells, "busy_at_start": busy,
                "profile": str(profile), "commands": commands, "wall_s": time.time() - started}
