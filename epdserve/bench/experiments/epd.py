@@ -25,6 +25,7 @@ counts come from ``/metrics`` before and after each workload's measured requests
 from __future__ import annotations
 
 import asyncio
+import os
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,7 +36,13 @@ import numpy as np
 from epdserve.bench import BenchError
 from epdserve.bench.client import ClientConfig, list_models, send_request
 from epdserve.bench.experiments.epd_report import NAME, build_report, write_plots
-from epdserve.bench.experiments.launch import RunningServer, metric_value, start_server, stop_server
+from epdserve.bench.experiments.launch import (
+    RunningServer,
+    list_workers,
+    metric_value,
+    start_server,
+    stop_server,
+)
 from epdserve.bench.experiments.report import begin, write_outputs
 from epdserve.bench.metrics import RequestOutput
 from epdserve.bench.mm_workloads import random_mm_requests
@@ -83,7 +90,8 @@ class Scale:
 
 FULL = Scale((ImageLoad("small", 1, 256, 256), ImageLoad("multi", 8, 512, 512)), 10, 2, 32, 8, 4096, 0.5, 300.0,
              True)
-QUICK = Scale((ImageLoad("small", 1, 64, 64), ImageLoad("multi", 2, 64, 64)), 2, 0, 16, 2, 2048, 0.1, 60.0,
+# Quick: one request per cell (two per arm); server starts take most of its time.
+QUICK = Scale((ImageLoad("small", 1, 64, 64), ImageLoad("multi", 2, 64, 64)), 1, 0, 16, 2, 1024, 0.05, 60.0,
               False)
 
 
@@ -121,6 +129,28 @@ class CellRun:
     embedding_bytes: float  # /metrics deltas over the measured requests
     kv_bytes: float
     num_images: float
+    other_cpu_share: float  # of all CPU time during the measured requests, used outside this experiment
+
+
+def cpu_ticks(pids: list[int]) -> tuple[int, int, int]:
+    """(all CPU time, busy CPU time, CPU time of ``pids`` so far), in clock ticks from /proc.
+    Two readings give the share of the machine that other work took in between."""
+    with open("/proc/stat", encoding="utf-8") as f:
+        fields = [int(v) for v in f.readline().split()[1:9]]
+    num_ours = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat", encoding="utf-8") as f:
+                stat = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # exited: its time is lost, so other work is overstated, never hidden
+        num_ours += int(stat[11]) + int(stat[12])  # utime + stime (fields 14 and 15)
+    return sum(fields), sum(fields) - fields[3] - fields[4], num_ours
+
+
+def other_share(before: tuple[int, int, int], after: tuple[int, int, int]) -> float:
+    total, busy, ours = (a - b for a, b in zip(after, before))
+    return max(0.0, (busy - ours) / total) if total > 0 else 0.0
 
 
 def _counters(server: RunningServer) -> tuple[float, float, float]:
@@ -134,17 +164,19 @@ async def run_arm_load(server: RunningServer, requests: dict[str, list[SampleReq
     model = (await list_models(server.url, None))[0]
     config = ClientConfig(api_url=server.url + "/v1/chat/completions", model=model, is_chat=True, ignore_eos=True,
                           return_timing=True, timeout_s=scale.request_timeout_s)
+    pids = [os.getpid(), server.process.pid, *(w["pid"] for w in list_workers(server))]
     cells = {}
     async with aiohttp.ClientSession() as session:
         for name, load_requests in requests.items():
             for request in load_requests[: scale.num_warmup]:
                 await send_request(session, config, request, 0.0)
-            before = _counters(server)
+            before, ticks_before = _counters(server), cpu_ticks(pids)
             outputs = [await send_request(session, config, request, 0.0)
                        for request in load_requests[scale.num_warmup :]]
-            after = _counters(server)
+            after, ticks_after = _counters(server), cpu_ticks(pids)
             embedding_bytes, kv_bytes, num_images = (a - b for a, b in zip(after, before))
-            cells[name] = CellRun(tuple(outputs), embedding_bytes, kv_bytes, num_images)
+            cells[name] = CellRun(tuple(outputs), embedding_bytes, kv_bytes, num_images,
+                                  other_share(ticks_before, ticks_after))
     return cells
 
 
@@ -173,6 +205,7 @@ def summarize_cell(cell: CellRun) -> dict:
         # client TTFT beyond the server's: HTTP, image upload and parsing before ``arrived``.
         "client_minus_server_ms": _mean([o.ttft_s * 1e3 - float(o.timing.get("ttft_ms", 0.0)) for o in ok]),
         "num_requests": num_requests,
+        "other_cpu_share": cell.other_cpu_share,
         "num_errors": len(errors),
         "errors": errors[:5],
         "prompt_tokens": _mean([float(o.prompt_len) for o in ok]),

@@ -63,7 +63,8 @@ def _bytes(value: float | None) -> str:
 
 def ttft_table(results: dict, scale: Scale) -> str:
     headers = ["arm", "load", "TTFT P50", "TTFT P99", "E2E P50", "queue", "encode span", "prefill overlap (span)",
-               "prefill after last embedding", "KV blocking", "first token", "client − server", "errors"]
+               "prefill after last embedding", "KV blocking", "first token", "client − server", "other work CPU %",
+               "errors"]
     rows = []
     for arm in arm_names(results, scale):
         for load in scale.loads:
@@ -71,7 +72,8 @@ def ttft_table(results: dict, scale: Scale) -> str:
             b = c["breakdown_mean_ms"]
             rows.append([arm, load.name, c["ttft_p50_ms"], c["ttft_p99_ms"], c["e2e_p50_ms"], b["queue_ms"],
                          b["encode_ms"], b["prefill_overlap_ms"], b["prefill_ms"], b["kv_blocking_ms"],
-                         b["first_token_ms"], c["client_minus_server_ms"], c["num_errors"]])
+                         b["first_token_ms"], c["client_minus_server_ms"], 100 * c["other_cpu_share"],
+                         c["num_errors"]])
     return markdown_table(headers, rows)
 
 
@@ -118,7 +120,8 @@ def build_report(results: dict, scale: Scale, commands: dict[str, str], run: Exp
          "requests on a fresh server and the same two cores. TTFT is client-measured (ms); the other columns are "
          "means of the server's `timing` (ms). Encode span: first image's encode start to last embedding in the "
          "consumer. Prefill overlap (span): first prefill chunk to last embedding, waits for embeddings included "
-         "(a wall span, not compute)."),
+         "(a wall span, not compute). Other work CPU %: the share of the machine's CPU time that processes outside "
+         "this experiment used during the cell's measured requests (other work skews every timing)."),
         "",
         *run.header_lines(),
         "",
@@ -214,6 +217,11 @@ def why_lines(results: dict, scale: Scale) -> list[str]:
          f"1/{_x(_div(expected['kv_bytes_per_token'], expected['hidden_size'] * 2), 0)} of P→D per image token "
          "and P→D also carries the text's KV. Both hops are shared-memory copies on one machine here."),
     ]
+    busiest = max(((100 * results[a][load.name]["other_cpu_share"], f"{a}/{load.name}")
+                   for a in arm_names(results, scale) for load in scale.loads), default=(0.0, "—"))
+    lines.append(f"- Other work on the machine took up to {busiest[0]:.0f} % of its CPU time during a cell "
+                 f"({busiest[1]}); a cell with more than a few percent is slower than this machine alone would be, "
+                 "the colocated arm most (its two threads wait for each other).")
     if "e_colocated" in results:
         lines.append(
             f"- `e_colocated` (encode worker on one core, a colocated worker on the other, no P→D hop): "
