@@ -22,7 +22,6 @@ import contextlib
 import itertools
 import math
 import os
-import platform
 import random
 import statistics
 import time
@@ -35,7 +34,7 @@ from types import ModuleType
 import numpy as np
 import torch
 
-from epdserve.bench.experiments.report import cpu_busy_share
+from epdserve.bench.experiments.report import cpu_busy_share, cpu_model
 from epdserve.config import EngineArgs, resolve_device_name, resolve_dtype_name
 from epdserve.engine.engine import LLMEngine
 from epdserve.engine.scheduler import ScheduledRequest, SchedulerOutput
@@ -283,13 +282,7 @@ def worst_fitted(samples: list[tuple[StepShape, float]], cost: StepCost, max_cou
 
 def host_info() -> dict:
     """CPU model and the cores this process may use."""
-    model = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
-    except OSError:
-        pass
-    return {"cpu": model, "num_cores": len(os.sched_getaffinity(0))}
+    return {"cpu": cpu_model(), "num_cores": len(os.sched_getaffinity(0))}
 
 
 def load_encoder(args: EngineArgs) -> EncoderProbe:

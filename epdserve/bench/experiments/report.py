@@ -61,15 +61,21 @@ def cpu_busy_share(sample_s: float = CPU_SAMPLE_S) -> float:
     return 1.0 - (idle_after - idle_before) / total if total > 0 else 0.0
 
 
-def machine_summary(busy_at_start: float | None = None) -> str:
-    """One line: CPU model, cores this process may use, memory, OS, and (when given) the share
-    of CPU time other work used just before the experiment started."""
+def cpu_model() -> str:
+    """The CPU's model name (from /proc/cpuinfo where there is one)."""
     model = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
             model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
     except OSError:
         pass
+    return model
+
+
+def machine_summary(busy_at_start: float | None = None) -> str:
+    """One line: CPU model, cores this process may use, memory, OS, and (when given) the share
+    of CPU time other work used just before the experiment started."""
+    model = cpu_model()
     try:
         num_mem_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         memory = f"{num_mem_bytes / 2**30:.0f} GiB RAM"
