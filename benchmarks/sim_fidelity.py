@@ -23,6 +23,7 @@ Writes ``results.json`` and ``report.md`` into the output directory.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import resource
@@ -30,9 +31,9 @@ import shlex
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Self
 
 import numpy as np
 
@@ -180,24 +181,22 @@ def own_ticks(pids: list[int]) -> int:
     return ticks + round((children.ru_utime + children.ru_stime) * CLOCK_TICKS)
 
 
-class OtherWork:
+@dataclass
+class Share:
+    value: float = 0.0  # fraction of all CPU time
+
+
+@contextlib.contextmanager
+def other_work(pids: list[int]) -> Iterator[Share]:
     """Share of all CPU time that processes other than the server, its workers and the bench
     client used while the body ran: other work on the machine skews every real timing."""
-
-    def __init__(self, pids: list[int]) -> None:
-        self.pids = pids
-        self.share = 0.0
-
-    def __enter__(self) -> Self:
-        self._start = (*cpu_ticks(), own_ticks(self.pids))
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        busy, total = cpu_ticks()
-        own = own_ticks(self.pids)
-        elapsed = total - self._start[1]
-        other = (busy - self._start[0]) - (own - self._start[2])
-        self.share = max(0.0, other / elapsed) if elapsed > 0 else 0.0
+    share = Share()
+    busy0, total0 = cpu_ticks()
+    own0 = own_ticks(pids)
+    yield share
+    busy, total = cpu_ticks()
+    other = (busy - busy0) - (own_ticks(pids) - own0)
+    share.value = max(0.0, other / (total - total0)) if total > total0 else 0.0
 
 
 def wait_for_idle(pids: list[int], max_wait_s: float) -> float:
@@ -205,11 +204,11 @@ def wait_for_idle(pids: list[int], max_wait_s: float) -> float:
     short window; returns the last window's share."""
     deadline = time.monotonic() + max_wait_s
     while True:
-        with OtherWork(pids) as other:
+        with other_work(pids) as other:
             time.sleep(IDLE_WINDOW_S)
-        if other.share < IDLE_SHARE or time.monotonic() >= deadline:
-            return other.share
-        print(f"other work uses {100 * other.share:.0f} % of the CPUs; waiting", flush=True)
+        if other.value < IDLE_SHARE or time.monotonic() >= deadline:
+            return other.value
+        print(f"other work uses {100 * other.value:.0f} % of the CPUs; waiting", flush=True)
 
 
 def run_topology(topology: str, profile: Path, capacity: float, scale: Scale, out_dir: Path,
@@ -229,13 +228,13 @@ def run_topology(topology: str, profile: Path, capacity: float, scale: Scale, ou
             rate = level * capacity
             tag = f"{name}_x{level:g}"
             wait_for_idle(pids, max_wait_idle_s)
-            with OtherWork(pids) as other:
+            with other_work(pids) as other:
                 real = bench_serve(server.url, rate, scale.num_prompts, index + 1, scale, out_dir / f"real_{tag}.json",
                                    log)
             write_trace(real, out_dir / f"trace_{tag}.jsonl")
             sim = simulate(profile, topology, ["--workload", "trace", str(out_dir / f"trace_{tag}.jsonl")], scale,
                            out_dir / f"sim_{tag}.json", log)
-            cells.append({**compare(topology, level, rate, real, sim, scale), "other_work_share": other.share})
+            cells.append({**compare(topology, level, rate, real, sim, scale), "other_work_share": other.value})
             print(format_rows([cells[-1]]), flush=True)
     finally:
         stop_server(server)
@@ -304,6 +303,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("out/sim_fidelity"))
     parser.add_argument("--only", choices=list(TOPOLOGIES), default=None, help="run just this topology")
     parser.add_argument("--quick", action="store_true", help="tiny sizes: checks that everything runs")
+    parser.add_argument("--busy-neighbours", action="store_true",
+                        help="profile each role next to a busy worker on the other core (epdserve profile flag)")
     parser.add_argument("--max-wait-idle-s", type=float, default=600.0,
                         help="before each level, wait up to this long for other work to leave the CPUs")
     ns = parser.parse_args(argv)
@@ -319,6 +320,7 @@ def main(argv: list[str] | None = None) -> int:
         profile = out_dir / "profile.json"
         run_logged(epdserve("profile", "--roles", "colocated,prefill,decode", "--threads", "colocated=1",
                             *ENGINE_FLAGS, "--out", str(profile), "--disable-tqdm",
+                            *(["--busy-neighbours"] if ns.busy_neighbours else []),
                             *(["--quick"] if scale.profile_quick else [])), commands)
     topologies = [ns.only] if ns.only else list(TOPOLOGIES)
     started = time.time()

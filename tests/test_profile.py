@@ -150,3 +150,19 @@ def test_prefill_probe_pushes_its_kv_into_the_peer_pool():
         probe.release(plan)
     assert engine.runner.pusher is None and probe.kv_target is None
     assert engine.kv_cache.is_all_free()
+
+
+def test_busy_neighbour_runs_on_the_given_cores_and_stops():
+    import multiprocessing
+    import os
+
+    from epdserve.config import EngineArgs
+    from epdserve.planner.profile_neighbour import busy_neighbour
+
+    core = max(os.sched_getaffinity(0))
+    with busy_neighbour(EngineArgs(max_model_len=1024), (core,)):
+        (child,) = multiprocessing.active_children()
+        assert os.sched_getaffinity(child.pid) == {core}
+    assert not multiprocessing.active_children()
+    with busy_neighbour(EngineArgs(), ()):  # no free core: no neighbour
+        assert not multiprocessing.active_children()

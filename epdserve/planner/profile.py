@@ -40,6 +40,7 @@ from epdserve.engine.engine import LLMEngine
 from epdserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 from epdserve.errors import ConfigError
 from epdserve.planner.profile_grid import ProfileGrid, StepPoint
+from epdserve.planner.profile_neighbour import busy_neighbour
 from epdserve.request import Request
 from epdserve.sampling import SamplingParams
 from epdserve.sim.cost_model import (
@@ -174,6 +175,7 @@ class ProfileTarget:
     roles: tuple[str, ...]
     num_threads: dict[str, int]  # per role
     grid: ProfileGrid
+    has_busy_neighbours: bool = False  # time each role next to a busy worker on the other cores
 
     def __post_init__(self) -> None:
         if not self.roles:
@@ -223,7 +225,7 @@ class Profiler:
         grid = self.target.grid
         start = time.perf_counter()
         kv_push = pushing_kv(self.probe) if role == "prefill" else contextlib.nullcontext()
-        with worker_threads(self.target.num_threads[role]), kv_push:
+        with self.neighbour(role), worker_threads(self.target.num_threads[role]), kv_push:
             samples = []
             for point in points:
                 samples.append(self.probe.measure(point, grid))
@@ -245,6 +247,13 @@ class Profiler:
             step=cost, fit=fit, samples=tuple({**s.to_dict(), "time_s": t} for s, t in samples),
         )
 
+    def neighbour(self, role: str) -> contextlib.AbstractContextManager:
+        """A busy worker on the cores ``role`` leaves free, when the target asks for one."""
+        if not self.target.has_busy_neighbours:
+            return contextlib.nullcontext()
+        used = set(role_cores(self.target.num_threads[role]))
+        return busy_neighbour(self.target.args, tuple(c for c in sorted(os.sched_getaffinity(0)) if c not in used))
+
     def run(self, tick: Callable[[], None] = lambda: None) -> CostModel:
         """Measure every role; the host record notes how busy other work kept the CPUs just
         before (it inflates every timing)."""
@@ -252,13 +261,14 @@ class Profiler:
         roles = {role: self.measure_role(role, tick) for role in self.points}
         encode, embed_bytes = None, None
         if self.encoder is not None:
-            with worker_threads(self.target.num_threads["encode"]):
+            with self.neighbour("encode"), worker_threads(self.target.num_threads["encode"]):
                 encode, embed_bytes = self.encoder.measure(self.target.grid, self.target.num_threads["encode"], tick)
         spec = self.engine.loaded.spec
         raw = {
             "version": PROFILE_VERSION,
             "device": self.serving.device,
             "host": host,
+            "has_busy_neighbours": self.target.has_busy_neighbours,
             "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }
         return CostModel(

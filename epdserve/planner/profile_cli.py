@@ -32,6 +32,9 @@ def add_profile_parser(
     p.add_argument("--threads", default=None, metavar="ROLE=N,...",
                    help="threads per role (default colocated=2,prefill=1,decode=1,encode=1: "
                         "one worker's cores in serve's two-core layouts)")
+    p.add_argument("--busy-neighbours", action="store_true",
+                   help="time each role while a busy worker runs on the cores it leaves free (as when every "
+                        "core serves: the workers share memory bandwidth and cache)")
     p.add_argument("--quick", action="store_true", help="a tiny grid in seconds (checks that it runs; rough numbers)")
     p.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
     add_engine_args(p)
@@ -125,7 +128,8 @@ def run_profile_command(ns: argparse.Namespace) -> int:
     roles = parse_roles(ns.roles)
     threads = parse_threads(ns.threads)
     check_writable(ns.out)
-    target = ProfileTarget(engine_args_from(ns), roles, threads, QUICK_GRID if ns.quick else FULL_GRID)
+    target = ProfileTarget(engine_args_from(ns), roles, threads, QUICK_GRID if ns.quick else FULL_GRID,
+                           ns.busy_neighbours)
     profiler = Profiler(target)
     with tqdm(total=profiler.num_points, desc="profile", unit="step", disable=ns.disable_tqdm) as progress:
         model = profiler.run(lambda: progress.update(1))

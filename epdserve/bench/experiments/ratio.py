@@ -101,6 +101,7 @@ def plan(profile_path: Path, num_instances: int, scale: Scale, out: Path, comman
     run_command(epdserve_cmd("plan", "--profile", str(profile_path), "--slo", slo, "--attainment", "0.9",
                              "--instances", str(num_instances), "--workload", "random", *workload_flags(scale),
                              "--seed", "0", "--search-requests", str(scale.plan_search_requests),
+                             "--seqs-choices", "0",  # the profile's max_num_seqs: what the servers run with
                              "--max-model-len", str(scale.max_model_len), "--out", str(out)), commands)
     return json.loads(out.read_text(encoding="utf-8"))
 
