@@ -100,11 +100,13 @@ class StepProbe:
     """Times synthetic steps on one engine's runner; blocks are taken from and returned to the
     engine's KV cache manager around every point."""
 
-    def __init__(self, engine: LLMEngine, seed: int = 0) -> None:
+    def __init__(self, engine: LLMEngine, seed: int = 0, temperature: float = 0.0) -> None:
+        """``temperature``: the sampling every probe request uses; 0 is greedy (argmax), a
+        positive value samples each row from its softmax, which costs far more per sequence."""
         self.engine = engine
         self._rng = random.Random(seed)
         self._ids = itertools.count()
-        self._params = SamplingParams(max_tokens=1 << 20, ignore_eos=True)
+        self._params = SamplingParams(max_tokens=1 << 20, ignore_eos=True, temperature=temperature)
         self._vocab_size = engine.loaded.spec.vocab_size
         self.kv_target: str | None = None  # set while prefill entries push their KV (``pushing_kv``)
 
@@ -176,6 +178,7 @@ class ProfileTarget:
     num_threads: dict[str, int]  # per role
     grid: ProfileGrid
     has_busy_neighbours: bool = False  # time each role next to a busy worker on the other cores
+    temperature: float = 0.0  # sampling of the measured steps (0: greedy, bench's default)
 
     def __post_init__(self) -> None:
         if not self.roles:
@@ -185,6 +188,8 @@ class ProfileTarget:
                 raise ConfigError(f"unknown role {role!r}; roles: {', '.join(ROLES)}")
             if self.num_threads.get(role, 0) < 1:
                 raise ConfigError(f"role {role!r} needs at least 1 thread")
+        if not self.temperature >= 0:
+            raise ConfigError(f"temperature must be >= 0, got {self.temperature}")
 
 
 class Profiler:
@@ -196,7 +201,7 @@ class Profiler:
         # serving options give a worker.
         num_probe_blocks = -(-target.grid.max_kv_tokens // target.args.block_size) + 64
         self.engine = LLMEngine(replace(target.args, num_kv_blocks=num_probe_blocks, enable_prefix_caching=False))
-        self.probe = StepProbe(self.engine, target.args.seed)
+        self.probe = StepProbe(self.engine, target.args.seed, target.temperature)
         bytes_per_block = self.engine.runner.kv_cache_bytes // num_probe_blocks
         spec = self.engine.loaded.spec
         self.serving = target.args.resolve(spec.max_position_embeddings, bytes_per_block)
@@ -269,6 +274,7 @@ class Profiler:
             "device": self.serving.device,
             "host": host,
             "has_busy_neighbours": self.target.has_busy_neighbours,
+            "temperature": self.target.temperature,
             "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }
         return CostModel(

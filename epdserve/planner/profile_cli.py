@@ -35,6 +35,9 @@ def add_profile_parser(
     p.add_argument("--busy-neighbours", action="store_true",
                    help="time each role while a busy worker runs on the cores it leaves free (as when every "
                         "core serves: the workers share memory bandwidth and cache)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling of the measured steps: 0 is greedy (bench's default); a positive value samples "
+                        "every sequence from its softmax, which costs about 1 ms more per sequence per step here")
     p.add_argument("--quick", action="store_true", help="a tiny grid in seconds (checks that it runs; rough numbers)")
     p.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
     add_engine_args(p)
@@ -129,7 +132,7 @@ def run_profile_command(ns: argparse.Namespace) -> int:
     threads = parse_threads(ns.threads)
     check_writable(ns.out)
     target = ProfileTarget(engine_args_from(ns), roles, threads, QUICK_GRID if ns.quick else FULL_GRID,
-                           ns.busy_neighbours)
+                           ns.busy_neighbours, ns.temperature)
     profiler = Profiler(target)
     with tqdm(total=profiler.num_points, desc="profile", unit="step", disable=ns.disable_tqdm) as progress:
         model = profiler.run(lambda: progress.update(1))
