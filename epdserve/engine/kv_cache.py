@@ -184,6 +184,7 @@ class KVCacheManager:
             g.is_prefix_cacheable for g in groups
         )
         self.pools = [BlockPool(num_blocks, self.enable_prefix_caching) for _ in groups]
+        self._has_windows = any(g.sliding_window is not None for g in groups)
         self._requests: dict[str, _RequestBlocks] = {}
         # Block hashes computed by find_cached_prefix for a request that holds no blocks yet;
         # its first allocate takes them over (a prompt is hashed once, not per lookup).
@@ -240,14 +241,18 @@ class KVCacheManager:
             hashes.append(hash_block(parent, token_ids[i * bs : (i + 1) * bs]))
         return hashes
 
+    def has_uncached_full_blocks(self, request_id: str, num_computed: int) -> bool:
+        """Whether ``cache_computed_blocks`` would register a block (a cheap test that spares
+        building the token list on the steps that fill no block)."""
+        return (self.enable_prefix_caching
+                and num_computed // self.block_size > self._requests[request_id].num_cached_blocks)
+
     def cache_computed_blocks(self, request_id: str, token_ids: list[int], num_computed: int) -> None:
         """Register the request's blocks that are now full of computed tokens."""
-        if not self.enable_prefix_caching:
+        if not self.has_uncached_full_blocks(request_id, num_computed):
             return
         entry = self._requests[request_id]
         num_full = num_computed // self.block_size
-        if num_full <= entry.num_cached_blocks:
-            return
         hashes = self._full_block_hashes(request_id, token_ids, num_full)
         for group_id, pool in enumerate(self.pools):
             table = entry.tables[group_id]
@@ -272,6 +277,10 @@ class KVCacheManager:
         ``num_computed`` counts tokens already in the cache, including a prefix hit being
         applied now. Returns False and changes nothing when a pool is short of blocks.
         """
+        if hit is None and not self._has_windows:
+            fast = self._grow(request_id, num_computed + num_new_tokens)
+            if fast is not None:
+                return fast
         if not self.can_allocate(request_id, num_computed, num_new_tokens, hit):
             return False
         entry = self._requests.get(request_id)
@@ -289,6 +298,23 @@ class KVCacheManager:
                 table.extend(pool.allocate(num_missing))
         if hit is not None and hit.num_tokens:
             entry.num_cached_blocks = max(entry.num_cached_blocks, hit.num_tokens // self.block_size)
+        return True
+
+    def _grow(self, request_id: str, num_tokens: int) -> bool | None:
+        """``allocate`` for a request that holds blocks, without a prefix hit or a sliding
+        window (every decode step): its tables only ever grow at the end. None: not such a
+        request, take the general path."""
+        entry = self._requests.get(request_id)
+        if entry is None:
+            return None
+        total = -(-num_tokens // self.block_size)
+        if all(len(table) >= total for table in entry.tables):
+            return True
+        if any(total - len(table) > pool.num_free_blocks for table, pool in zip(entry.tables, self.pools)):
+            return False
+        for table, pool in zip(entry.tables, self.pools):
+            if total > len(table):
+                table.extend(pool.allocate(total - len(table)))
         return True
 
     def _blocks_needed(

@@ -239,9 +239,10 @@ class Scheduler:
                     min(entry.start_pos + entry.num_new_tokens, request.num_prompt_tokens) - entry.start_pos
                 )
             request.num_computed_tokens += entry.num_new_tokens
-            self.kv_cache.cache_computed_blocks(
-                request.request_id, request.hash_token_ids, request.num_computed_tokens
-            )
+            if self.kv_cache.has_uncached_full_blocks(request.request_id, request.num_computed_tokens):
+                self.kv_cache.cache_computed_blocks(
+                    request.request_id, request.hash_token_ids, request.num_computed_tokens
+                )
             token_id = sampled_token_ids.get(request.request_id)
             if token_id is None:
                 continue

@@ -123,7 +123,8 @@ def advance(inst: StepInstance, stretch: Stretch, num_steps: int, token_times: d
             raise AssertionError(f"fast-forward: no blocks for {rid} (the stretch was sized to fit)")
         r.num_computed_tokens += num_steps
         r.output_token_ids.extend(repeat(0, num_steps))
-        kv.cache_computed_blocks(rid, r.hash_token_ids, r.num_computed_tokens)
+        if kv.has_uncached_full_blocks(rid, r.num_computed_tokens):
+            kv.cache_computed_blocks(rid, r.hash_token_ids, r.num_computed_tokens)
         times = token_times.get(rid)
         if times is not None:
             times.extend(stretch.ends[:num_steps])
