@@ -1,17 +1,20 @@
 """Simulator fidelity: real epdserve against ``epdserve simulate`` on the same arrivals.
 
-    python benchmarks/sim_fidelity.py [--profile P] [--out out/sim_fidelity] [--quick]
+    python benchmarks/sim_fidelity.py [--profile P] [--out out/sim_fidelity] [--quick] [--no-calibrate]
 
 1. Profile this machine (``epdserve profile``, colocated workers at 1 thread: in both
    topologies every worker has one core), unless ``--profile`` is given.
 2. Estimate each topology's capacity with the simulator: the highest rate whose SLO
    attainment is >= 90 % on the random workload (256 in / 96 out tokens, +-25 %).
 3. For each topology (colocated x2: two colocated workers on one core each; 1P1D: one prefill
-   and one decode worker on one core each), start ``epdserve serve`` and run
-   ``epdserve bench serve`` at 0.5, 1.0 and 1.5 x that capacity (after an unscored warm-up;
-   each level has prompts of its own fixed seed, so none hits the prefix cache).
+   and one decode worker on one core each), start ``epdserve serve`` with step tracing, send
+   an unscored warm-up, then (unless ``--no-calibrate``) an unscored calibration run at 0.75 x
+   capacity with its own seed, and ``epdserve calibrate`` the profile on the steps the workers
+   traced in it. Then run ``epdserve bench serve`` at 0.5, 1.0 and 1.5 x capacity (each level
+   has prompts of its own fixed seed, so none hits the prefix cache).
 4. Write each run's requests as a Mooncake trace (send time, prompt tokens as the server
-   counted them, output tokens) and replay it with ``epdserve simulate`` on the profile.
+   counted them, output tokens) and replay it with ``epdserve simulate`` on the calibrated
+   profile, and on the offline profile for comparison.
 5. Per (topology, load): TTFT P50/P99, TPOT P50/P99 and goodput, real vs simulated, the
    relative error of each cell, and whether it is within 10 %.
 
@@ -53,6 +56,8 @@ WARMUP_SEED = 1000
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 IDLE_SHARE = 0.05  # other work below this share of the CPUs counts as idle
 IDLE_WINDOW_S = 3.0
+CALIBRATION_LOAD = 0.75  # the calibration run's rate, a multiple of the capacity (between the levels)
+CALIBRATION_SEED = 500
 CAPACITY_RATES = tuple(round(0.25 * 1.25**k, 3) for k in range(20))  # 0.25 .. ~17 requests/s
 
 
@@ -60,6 +65,7 @@ CAPACITY_RATES = tuple(round(0.25 * 1.25**k, 3) for k in range(20))  # 0.25 .. ~
 class Scale:
     num_prompts: int  # per load level
     num_warmup_prompts: int  # sent before the first level, not scored
+    num_calibration_prompts: int  # the calibration run (not scored)
     input_len: int
     output_len: int
     range_ratio: float
@@ -69,8 +75,8 @@ class Scale:
     profile_quick: bool
 
 
-FULL = Scale(160, 16, 256, 96, 0.25, (0.5, 1.0, 1.5), 1000.0, 80.0, False)
-QUICK = Scale(10, 4, 64, 8, 0.25, (0.5, 1.0), 1000.0, 80.0, True)
+FULL = Scale(160, 16, 80, 256, 96, 0.25, (0.5, 1.0, 1.5), 1000.0, 80.0, False)
+QUICK = Scale(10, 4, 24, 64, 8, 0.25, (0.5, 1.0), 1000.0, 80.0, True)
 
 
 def epdserve(*args: str) -> list[str]:
@@ -212,10 +218,21 @@ def wait_for_idle(pids: list[int], max_wait_s: float) -> float:
 
 
 def run_topology(topology: str, profile: Path, capacity: float, scale: Scale, out_dir: Path,
-                 log: list[str], max_wait_idle_s: float) -> list[dict]:
+                 log: list[str], max_wait_idle_s: float, calibrate: bool) -> list[dict]:
+    """Serve the topology, run its load levels, simulate each on the same arrivals.
+
+    With ``calibrate``, a calibration run (its own seed and rate, not scored) comes first, and
+    ``epdserve calibrate`` scales the profile to the step times the workers traced in it; each
+    level is then simulated on the calibrated profile and, for comparison, on the offline one.
+    """
     name = topology.replace("=", "").replace(",", "_")
     cells = []
-    server = start_server([*TOPOLOGIES[topology], *ENGINE_FLAGS], out_dir / "logs" / name)
+    trace_dir = out_dir / f"steps_{name}"
+    if trace_dir.exists():
+        for old in trace_dir.glob("*.jsonl"):
+            old.unlink()
+    server = start_server([*TOPOLOGIES[topology], *ENGINE_FLAGS, "--step-trace-dir", str(trace_dir)],
+                          out_dir / "logs" / name)
     log.append(server.command)
     pids = [server.process.pid, *(w["pid"] for w in list_workers(server))]
     try:
@@ -224,6 +241,16 @@ def run_topology(topology: str, profile: Path, capacity: float, scale: Scale, ou
         # later levels would find the earlier levels' prompts in the prefix cache.
         bench_serve(server.url, capacity, scale.num_warmup_prompts, WARMUP_SEED, scale, out_dir / f"warmup_{name}.json",
                     log)
+        sim_profile = profile
+        if calibrate:
+            wait_for_idle(pids, max_wait_idle_s)
+            bench_serve(server.url, CALIBRATION_LOAD * capacity, scale.num_calibration_prompts, CALIBRATION_SEED, scale,
+                        out_dir / f"calibration_{name}.json", log)
+            sim_profile = out_dir / f"profile_calibrated_{name}.json"
+            # The workers' trace files are line-buffered: every step of the calibration run
+            # is on disk; the levels' steps come later and are not read here.
+            run_logged(epdserve("calibrate", "--profile", str(profile), "--step-trace-dir", str(trace_dir),
+                                "--out", str(sim_profile)), log)
         for index, level in enumerate(scale.load_levels):
             rate = level * capacity
             tag = f"{name}_x{level:g}"
@@ -231,10 +258,15 @@ def run_topology(topology: str, profile: Path, capacity: float, scale: Scale, ou
             with other_work(pids) as other:
                 real = bench_serve(server.url, rate, scale.num_prompts, index + 1, scale, out_dir / f"real_{tag}.json",
                                    log)
+            trace = ["--workload", "trace", str(out_dir / f"trace_{tag}.jsonl")]
             write_trace(real, out_dir / f"trace_{tag}.jsonl")
-            sim = simulate(profile, topology, ["--workload", "trace", str(out_dir / f"trace_{tag}.jsonl")], scale,
-                           out_dir / f"sim_{tag}.json", log)
-            cells.append({**compare(topology, level, rate, real, sim, scale), "other_work_share": other.value})
+            sim = simulate(sim_profile, topology, trace, scale, out_dir / f"sim_{tag}.json", log)
+            cell = {**compare(topology, level, rate, real, sim, scale), "other_work_share": other.value,
+                    "profile": str(sim_profile)}
+            if calibrate:
+                offline = simulate(profile, topology, trace, scale, out_dir / f"sim_offline_{tag}.json", log)
+                cell["offline"] = compare(topology, level, rate, real, offline, scale)
+            cells.append(cell)
             print(format_rows([cells[-1]]), flush=True)
     finally:
         stop_server(server)
@@ -269,32 +301,60 @@ def format_rows(cells: list[dict]) -> str:
     return markdown_table(HEADERS, rows)
 
 
+def count_within(cells: list[dict]) -> tuple[int, int]:
+    errors = [e for c in cells for e in c["rel_error"].values() if e is not None]
+    return sum(1 for e in errors if abs(e) <= GOAL), len(errors)
+
+
 def build_report(cells: list[dict], capacities: dict[str, float], scale: Scale, commands: list[str],
                  busy: float, profile: Path) -> str:
-    num_cells = sum(1 for c in cells for e in c["rel_error"].values() if e is not None)
-    num_within = sum(1 for c in cells for e in c["rel_error"].values() if e is not None and abs(e) <= GOAL)
-    return "\n".join([
+    num_within, num_cells = count_within(cells)
+    offline = [{**c["offline"], "other_work_share": c["other_work_share"]} for c in cells if "offline" in c]
+    calibrated = bool(offline)
+    lines = [
         "# sim_fidelity",
         "",
         (f"Random workload: {scale.num_prompts} requests per level, {scale.input_len} prompt tokens and "
          f"{scale.output_len} output tokens (±{100 * scale.range_ratio:.0f} %), Poisson arrivals, seed 1, 2, 3 "
          f"for the levels, after {scale.num_warmup_prompts} unscored warm-up requests per server. "
          f"SLO: TTFT ≤ {scale.slo_ttft_ms:g} ms and TPOT ≤ {scale.slo_tpot_ms:g} ms. Loads are multiples of the "
-         "capacity the simulator estimates (highest rate with ≥ 90 % SLO attainment): "
+         "capacity the simulator estimates from the offline profile (highest rate with ≥ 90 % SLO attainment): "
          + ", ".join(f"{t}: {r:g} req/s" for t, r in capacities.items()) + "."),
         "",
         f"Machine: {machine_summary(busy)}  ",
-        f"Profile: `{profile}`",
+        f"Offline profile: `{profile}`",
         "",
-        format_rows(cells),
-        "",
-        f"Cells within {100 * GOAL:.0f} %: {num_within} of {num_cells}.",
-        "",
-        "Commands:",
-        "",
-        *[f"- `{c}`" for c in commands if not c.startswith("epdserve simulate") or "trace" in c],
-        "",
-    ])
+    ]
+    if calibrated:
+        lines += [
+            (f"Simulated on the calibrated profile: before the levels, each server ran {scale.num_calibration_prompts} "
+             f"unscored requests at {CALIBRATION_LOAD:g}x capacity (seed {CALIBRATION_SEED}) with its workers tracing "
+             "their steps, and `epdserve calibrate` scaled each role's step cost by the ratio of the traced step "
+             "times to the profile's prediction for the same shapes:"),
+            "",
+            *[f"- {topology}: " + ", ".join(f"{role} × {cal['factor']:.3f} ({cal['num_steps']} steps)"
+                                           for role, cal in factors.items())
+              for topology, factors in calibration_factors(cells).items()],
+            "",
+        ]
+    lines += [format_rows(cells), "", f"Cells within {100 * GOAL:.0f} %: {num_within} of {num_cells}.", ""]
+    if calibrated:
+        off_within, off_cells = count_within(offline)
+        lines += ["The same real runs simulated on the offline profile (no calibration):", "", format_rows(offline), "",
+                  f"Cells within {100 * GOAL:.0f} %: {off_within} of {off_cells}.", ""]
+    lines += ["Commands:", "",
+              *[f"- `{c}`" for c in commands if not c.startswith("epdserve simulate") or "trace" in c], ""]
+    return "\n".join(lines)
+
+
+def calibration_factors(cells: list[dict]) -> dict[str, dict]:
+    """Per topology, the calibrated profile's ``calibration.roles`` record."""
+    out = {}
+    for c in cells:
+        if c["topology"] not in out and c.get("profile"):
+            raw = json.loads(Path(c["profile"]).read_text())
+            out[c["topology"]] = raw.get("calibration", {}).get("roles", {})
+    return {t: f for t, f in out.items() if f}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -305,6 +365,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="tiny sizes: checks that everything runs")
     parser.add_argument("--busy-neighbours", action="store_true",
                         help="profile each role next to a busy worker on the other core (epdserve profile flag)")
+    parser.add_argument("--no-calibrate", action="store_true",
+                        help="simulate on the offline profile only (no calibration run)")
     parser.add_argument("--max-wait-idle-s", type=float, default=600.0,
                         help="before each level, wait up to this long for other work to leave the CPUs")
     ns = parser.parse_args(argv)
@@ -327,7 +389,7 @@ def main(argv: list[str] | None = None) -> int:
     capacities = {t: estimate_capacity(profile, t, scale, out_dir / "capacity", commands) for t in topologies}
     print("capacity (simulated): " + ", ".join(f"{t} {r:g} req/s" for t, r in capacities.items()), flush=True)
     cells = [cell for t in topologies for cell in run_topology(t, profile, capacities[t], scale, out_dir, commands,
-                                                    ns.max_wait_idle_s)]
+                                                    ns.max_wait_idle_s, not ns.no_calibrate)]
     report = build_report(cells, capacities, scale, commands, busy, profile)
     results = {"scale": scale.__dict__, "capacities": capacities, "cells": cells, "busy_at_start": busy,
                "profile": str(profile), "commands": commands, "wall_s": time.time() - started}

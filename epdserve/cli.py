@@ -123,6 +123,7 @@ def _worker(ns: argparse.Namespace) -> int:
         stall_kv_transfers=ns.debug_stall_kv_transfers, vision=ns.vision, embed_slab_mb=ns.embed_slab_mb,
         embed_transport=ns.embed_transport,
         max_batch_images=ns.encode_batch_images, encoder_cache_mb=ns.encoder_cache_mb,
+        step_trace_dir=ns.step_trace_dir,
         **({"worker_id": ns.worker_id} if ns.worker_id else {}),
     )
     return run_worker(opts, engine_args_from(ns))
@@ -166,6 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     wrk.add_argument("--embed-transport", choices=("shm", "tcp"), default="shm", help="how encode workers reach the slab")
     wrk.add_argument("--encode-batch-images", type=int, default=1, help="images per encoder forward pass")
     wrk.add_argument("--encoder-cache-mb", type=float, default=256.0, help="content-hash embedding cache")
+    wrk.add_argument("--step-trace-dir", default=None, help="write every model step to DIR/<worker id>.jsonl (for epdserve profile calibrate)")
     wrk.add_argument("--die-with-parent", action="store_true", help=argparse.SUPPRESS)
     wrk.add_argument("--debug-stall-kv-transfers", action="store_true", help=argparse.SUPPRESS)
     add_engine_args(wrk)
@@ -183,6 +185,10 @@ def build_parser() -> argparse.ArgumentParser:
     from epdserve.planner.profile_cli import add_profile_parser
 
     add_profile_parser(sub, add_engine_args)
+
+    from epdserve.planner.calibrate import add_calibrate_parser
+
+    add_calibrate_parser(sub)
     return parser
 
 

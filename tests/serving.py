@@ -23,6 +23,7 @@ class Server:
     router: str
     log_dir: str
     api_key: str | None = None
+    step_trace_dir: Path | None = None  # set by tests that serve with --step-trace-dir
 
     @property
     def client(self) -> httpx.Client:

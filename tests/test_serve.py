@@ -29,7 +29,9 @@ def complete(server: Server, prompt: str, **kw) -> dict:
 
 @pytest.fixture(scope="module")
 def pd_shm(tmp_path_factory):
-    server = start_server(SMALL, str(tmp_path_factory.mktemp("pd_shm")))
+    log_dir = tmp_path_factory.mktemp("pd_shm")
+    server = start_server(SMALL + ["--step-trace-dir", str(log_dir / "steps")], str(log_dir))
+    server.step_trace_dir = log_dir / "steps"
     yield server
     stop_server(server)
 
@@ -308,3 +310,30 @@ def test_api_key_shm_mode_and_cleanup_after_router_crash(tmp_path):
     finally:
         if server.process.poll() is None:
             stop_server(server)
+
+
+def test_workers_trace_their_steps_and_calibrate_reads_them(pd_shm):
+    """--step-trace-dir: each step worker writes its steps (shape, time in service); the
+    prefill worker's steps are the prompt's tokens, the decode worker's one sequence each."""
+    from epdserve.planner.calibrate import MIN_STEPS, calibrate, read_step_trace
+    from epdserve.sim.cost_model import CostModel
+    from test_sim import profile_dict
+
+    for i in range(MIN_STEPS):
+        out = complete(pd_shm, f"Tracing the steps of request {i}", max_tokens=3, ignore_eos=True)
+    num_prompt = out["usage"]["prompt_tokens"]
+    traces = {}
+    for path in pd_shm.step_trace_dir.glob("*.jsonl"):
+        header, steps = read_step_trace(path)
+        traces[header["role"]] = steps
+    assert set(traces) == {"prefill", "decode"}
+    assert any(s.num_prefill_tokens == num_prompt and s.num_decode_seqs == 0 for s, _ in traces["prefill"])
+    assert traces["decode"] and all(s.num_prefill_tokens == 0 and s.num_decode_seqs >= 1 for s, _ in traces["decode"])
+    assert all(t > 0 for steps in traces.values() for _, t in steps)
+    # Calibrating a synthetic profile on them scales each role by served / predicted.
+    cost = CostModel.from_dict(profile_dict())
+    calibrated, result = calibrate(cost, pd_shm.step_trace_dir)
+    assert set(result) == {"prefill", "decode"}
+    for role, cal in result.items():
+        assert cal.served_s == pytest.approx(sum(t for _, t in traces[role]), rel=1e-3)
+        assert calibrated.role(role).step.base_s == pytest.approx(cost.role(role).step.base_s * cal.factor)

@@ -26,6 +26,7 @@ import zmq
 
 from epdserve.cluster import messages as m
 from epdserve.cluster.router_link import connect_to_router, start_heartbeats
+from epdserve.cluster.step_trace import StepTrace
 from epdserve.cluster.worker_images import ConsumerImages, ImageOptions
 from epdserve.config import EngineArgs
 from epdserve.engine.engine import LLMEngine, RequestOutput
@@ -59,6 +60,7 @@ class WorkerOptions:
     embed_transport: str = "shm"  # how encode workers reach the slab: shm (same host) or tcp
     max_batch_images: int = 1  # in-process encoder: images per forward pass
     encoder_cache_mb: float = 256.0
+    step_trace_dir: str | None = None  # write every model step to DIR/<worker id>.jsonl (step_trace.py)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -98,6 +100,8 @@ class Worker:
         self.receiver: TcpKVReceiver | None = None
         allocator = self._shm_allocator if opts.role == "decode" and opts.kv_transport == "shm" else None
         self.engine = LLMEngine(engine_args, kv_cache_allocator=allocator)
+        self._step_trace = (StepTrace(opts.step_trace_dir, opts.worker_id, opts.role, torch.get_num_threads())
+                            if opts.step_trace_dir else None)
         self.endpoint: m.KVEndpoint | None = None
         self._landed: set[str] = set()
         self._landed_lock = threading.Lock()
@@ -201,7 +205,10 @@ class Worker:
                     for request_id, error in self.images.encode_inline():
                         self.sock.send(m.encode(m.RequestFailed(request_id, error)))
                 if self.engine.has_unfinished():
+                    start = time.monotonic()
                     self._send_outputs(self.engine.step())
+                    if self._step_trace is not None and self.engine.last_num_scheduled:
+                        self._step_trace.record(self.engine.last_plan, start, time.monotonic() - start)
                 self._report_transfers()
                 self._expire_reservations()
         finally:
@@ -332,6 +339,8 @@ class Worker:
             self.pool = None
         if self.images is not None:
             self.images.close()
+        if self._step_trace is not None:
+            self._step_trace.close()
         self.sock.close()
         self.ctx.term()
         os.close(self._landed_fd)

@@ -19,7 +19,7 @@ from epdserve.engine.detokenizer import IncrementalDetokenizer
 from epdserve.engine.kv_cache import KVCacheManager, make_group_specs
 from epdserve.engine.runner import ModelRunner, kv_cache_shapes
 from epdserve.engine.sampler import TokenLogprobs
-from epdserve.engine.scheduler import Scheduler
+from epdserve.engine.scheduler import Scheduler, SchedulerOutput
 from epdserve.errors import InvalidRequestError
 from epdserve.models.loader import LoadedModel, load_model
 from epdserve.request import EventType, MMInput, Request, RequestStatus
@@ -98,6 +98,7 @@ class LLMEngine:
         self._children: dict[str, list[str]] = {}
         self._mm_inputs: dict[str, list[MMInput]] = {}  # by the id the request was added with
         self.last_num_scheduled = 0  # requests the last step ran (0: all waiting, e.g. for images)
+        self.last_plan: SchedulerOutput | None = None  # what the last step scheduled
         self._ids = itertools.count()
 
     @property
@@ -275,6 +276,7 @@ class LLMEngine:
     # -- the loop ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         plan = self.scheduler.schedule()
+        self.last_plan = plan
         self.last_num_scheduled = len(plan.scheduled)
         if plan.is_empty:
             return []

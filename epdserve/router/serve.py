@@ -35,6 +35,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--served-model-name", action="append", default=None, help="model names clients may use")
     g.add_argument("--startup-timeout", type=float, default=300.0)
     g.add_argument("--worker-log-dir", default=None, help="write each worker's output to DIR/<id>.log")
+    g.add_argument("--step-trace-dir", default=None,
+                   help="each prefill/decode/colocated worker writes its model steps (shape, time in service) "
+                        "to DIR/<id>.jsonl, for epdserve profile calibrate")
     v = parser.add_argument_group("images")
     v.add_argument("--vision", default=None,
                    help="take images: the vision tower ('default', 'smolvlm-256m'; a VLM checkpoint brings its own). "
@@ -162,6 +165,8 @@ async def serve(ns: argparse.Namespace) -> int:
         worker_id = f"{role}-{counters[role] - 1}"
         log_path = f"{ns.worker_log_dir}/{worker_id}.log" if ns.worker_log_dir else None
         role_extra = encode_extra if role == "encode" else consumer_extra if role in ("prefill", "colocated") else []
+        if ns.step_trace_dir and role != "encode":
+            role_extra = [*role_extra, "--step-trace-dir", ns.step_trace_dir]
         worker = spawn_worker(worker_id, role, router.address, cores, extra + role_extra, log_path)
         workers.append(worker)
         router.watch_process(worker_id, worker.pid)

@@ -1,0 +1,35 @@
+"""A serving worker's step trace: one JSON line per engine step that ran the model.
+
+``epdserve serve --step-trace-dir DIR`` makes each worker write ``DIR/<worker id>.jsonl``; the
+first line names the worker (id, role, threads), every later line is one step: when it began,
+how long it took in service (the engine step and sending its outputs, wall time) and its shape
+in the cost model's terms. ``epdserve profile calibrate`` compares these steps with what an
+offline profile predicts for the same shapes (see ``planner/calibrate.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import TextIO
+
+from epdserve.engine.scheduler import SchedulerOutput
+from epdserve.sim.cost_model import StepShape
+
+
+class StepTrace:
+    def __init__(self, directory: str, worker_id: str, role: str, num_threads: int) -> None:
+        os.makedirs(directory, exist_ok=True)
+        self.path = Path(directory) / f"{worker_id}.jsonl"
+        self._file: TextIO = open(self.path, "w", encoding="utf-8", buffering=1)  # line-buffered: readable while serving
+        header = {"worker_id": worker_id, "role": role, "num_threads": num_threads, "pid": os.getpid()}
+        self._file.write(json.dumps(header) + "\n")
+
+    def record(self, plan: SchedulerOutput, start: float, wall_s: float) -> None:
+        """One step that ran ``plan``, begun at ``start`` (``time.monotonic``), ``wall_s`` long."""
+        shape = StepShape.from_scheduler_output(plan)
+        self._file.write(json.dumps({"t": round(start, 6), "wall_s": round(wall_s, 6), **shape.to_dict()}) + "\n")
+
+    def close(self) -> None:
+        self._file.close()

@@ -1,0 +1,73 @@
+"""epdserve calibrate: a profile's step costs scaled to traced step times in service."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from test_sim import profile_dict
+
+from epdserve.cli import main
+from epdserve.errors import ConfigError
+from epdserve.planner.calibrate import MIN_STEPS, calibrate
+from epdserve.sim.cost_model import CostModel, StepShape
+
+
+def write_trace(directory, worker_id, role, steps):
+    directory.mkdir(exist_ok=True)
+    lines = [json.dumps({"worker_id": worker_id, "role": role, "num_threads": 1, "pid": 1})]
+    lines += [json.dumps({"t": i * 0.1, "wall_s": wall, **shape.to_dict()}) for i, (shape, wall) in enumerate(steps)]
+    (directory / f"{worker_id}.jsonl").write_text("\n".join(lines) + "\n")
+
+
+def test_each_role_scaled_by_served_over_predicted(tmp_path):
+    cost = CostModel.from_dict(profile_dict())
+    prefill = StepShape(256, 256 * 257 // 2, 0, 0)
+    decode = StepShape(0, 0, 4, 4 * 300)
+    # prefill steps took 1.25x the prediction, decode steps 1.1x; two decode workers
+    write_trace(tmp_path, "prefill-0", "prefill",
+                [(prefill, 1.25 * cost.role("prefill").step.time_s(prefill))] * 12)
+    for w in ("decode-0", "decode-1"):
+        write_trace(tmp_path, w, "decode", [(decode, 1.1 * cost.role("decode").step.time_s(decode))] * 30)
+    calibrated, result = calibrate(cost, tmp_path)
+    assert result["prefill"].factor == pytest.approx(1.25)
+    assert result["decode"].factor == pytest.approx(1.1)
+    assert result["decode"].num_steps == 60
+    assert calibrated.role("prefill").step.time_s(prefill) == pytest.approx(1.25 * cost.role("prefill").step.time_s(prefill))
+    assert calibrated.role("colocated") == cost.role("colocated")  # not traced: unchanged
+    # Written and read back like any profile, with the record of what it was calibrated on.
+    path = tmp_path / "calibrated.json"
+    calibrated.save(path)
+    again = CostModel.load(path)
+    assert again.role("decode").step.time_s(decode) == pytest.approx(1.1 * cost.role("decode").step.time_s(decode))
+    assert again.raw["calibration"]["roles"]["prefill"]["factor"] == pytest.approx(1.25)
+
+
+@pytest.mark.parametrize("files, message", [
+    ({}, "no step traces"),
+    ({"w.jsonl": "not json\n"}, "not a step trace"),
+    ({"w.jsonl": '{"worker_id": "w"}\n'}, "role"),
+    ({"w.jsonl": '{"role": "encode"}\n'}, "no step cost"),
+    ({"w.jsonl": '{"role": "decode"}\n{"t": 0, "wall_s": 0.1, "num_decode_seqs": 1}\n'}, f"at least {MIN_STEPS}"),
+    ({"w.jsonl": '{"role": "decode"}\n{"t": 0, "num_decode_seqs": 1}\n'}, "not a step trace"),
+])
+def test_bad_traces_are_config_errors(tmp_path, files, message):
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    with pytest.raises(ConfigError, match=message):
+        calibrate(CostModel.from_dict(profile_dict()), tmp_path)
+
+
+def test_cli_writes_the_profile_and_bad_input_exits_2(tmp_path, capsys):
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps(profile_dict()))
+    traces = tmp_path / "steps"
+    write_trace(traces, "colocated-0", "colocated", [(StepShape(0, 0, 2, 200), 0.05)] * MIN_STEPS)
+    out = tmp_path / "calibrated.json"
+    assert main(["calibrate", "--profile", str(profile), "--step-trace-dir", str(traces), "--out", str(out)]) == 0
+    assert "colocated" in capsys.readouterr().out
+    assert CostModel.load(out).raw["calibration"]["roles"]["colocated"]["num_steps"] == MIN_STEPS
+    assert main(["calibrate", "--profile", str(profile), "--step-trace-dir", str(tmp_path / "none"),
+                 "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("epdserve: error:") and len(err.strip().splitlines()) == 1
