@@ -22,7 +22,7 @@ class StepTrace:
     def __init__(self, directory: str, worker_id: str, role: str, num_threads: int) -> None:
         os.makedirs(directory, exist_ok=True)
         self.path = Path(directory) / f"{worker_id}.jsonl"
-        self._file: TextIO = open(self.path, "w", encoding="utf-8", buffering=1)  # line-buffered: readable while serving
+        self._file: TextIO = open(self.path, "w", encoding="utf-8", buffering=1)  # noqa: SIM115 (open for the worker's life; line-buffered: readable while serving)
         header = {"worker_id": worker_id, "role": role, "num_threads": num_threads, "pid": os.getpid()}
         self._file.write(json.dumps(header) + "\n")
 
