@@ -48,6 +48,7 @@ TOPOLOGIES = {  # simulator topology -> serve flags (every worker on one core)
     "prefill=1,decode=1": ["--prefill-workers", "1", "--decode-workers", "1", "--cores-per-worker", "1"],
 }
 MAX_MODEL_LEN = 1024
+INSTANCES_PER_HOST = 2  # both topologies: two workers on this one machine
 ENGINE_FLAGS = ["--kv-cache-memory", "1", "--max-model-len", str(MAX_MODEL_LEN)]  # the profile records the same pool
 METRICS = ("ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "goodput")
 GOAL = 0.10  # |relative error| per cell
@@ -136,7 +137,8 @@ def write_trace(result: dict, path: Path) -> None:
 def simulate(profile: Path, topology: str, workload: list[str], scale: Scale, out: Path, log: list[str]) -> dict:
     run_logged(epdserve("simulate", "--profile", str(profile), "--topology", topology, *workload,
                         "--goodput", f"ttft:{scale.slo_ttft_ms:g}", f"tpot:{scale.slo_tpot_ms:g}",
-                        "--max-model-len", str(MAX_MODEL_LEN), "--out", str(out), "--quiet"), log)
+                        "--max-model-len", str(MAX_MODEL_LEN), "--instances-per-host", str(INSTANCES_PER_HOST),
+                        "--out", str(out), "--quiet"), log)
     return json.loads(out.read_text())
 
 
@@ -329,11 +331,14 @@ def build_report(cells: list[dict], capacities: dict[str, float], scale: Scale, 
         lines += [
             (f"Simulated on the calibrated profile: before the levels, each server ran {scale.num_calibration_prompts} "
              f"unscored requests at {CALIBRATION_LOAD:g}x capacity (seed {CALIBRATION_SEED}) with its workers tracing "
-             "their steps, and `epdserve calibrate` scaled each role's step cost by the ratio of the traced step "
-             "times to the profile's prediction for the same shapes:"),
+             "their steps, and `epdserve calibrate` fitted each role's traced step times against the profile's "
+             "prediction for the same shapes: a factor for a step while the other worker is idle, and a "
+             "slowdown while it is mid-step (simulated with `--instances-per-host 2`):"),
             "",
-            *[f"- {topology}: " + ", ".join(f"{role} × {cal['factor']:.3f} ({cal['num_steps']} steps)"
-                                           for role, cal in factors.items())
+            *[f"- {topology}: " + ", ".join(
+                f"{role} × {cal['alone']:.3f}, +{100 * cal['neighbour_slowdown']:.1f} % next to a busy worker "
+                f"({cal['num_steps']} steps; served / predicted overall {cal['factor']:.3f})"
+                for role, cal in factors.items())
               for topology, factors in calibration_factors(cells).items()],
             "",
         ]

@@ -43,6 +43,34 @@ def test_each_role_scaled_by_served_over_predicted(tmp_path):
     assert again.raw["calibration"]["roles"]["prefill"]["factor"] == pytest.approx(1.25)
 
 
+def test_neighbour_slowdown_fitted_from_overlapping_steps(tmp_path):
+    """Worker A's steps take 1.1x the prediction while B is idle and 1.1 x 1.2 while B is
+    mid-step; B steps in the second half of the trace only."""
+    cost = CostModel.from_dict(profile_dict())
+    shape = StepShape(0, 0, 4, 1200)
+    pred = cost.role("decode").step.time_s(shape)
+    lines_a, t = [], 0.0
+    for i in range(40):
+        wall = 1.1 * pred * (1.2 if i >= 20 else 1.0)
+        lines_a.append((t, wall))
+        t += wall
+    b_start = lines_a[20][0]
+    lines_b = [(b_start + k * 0.01, 0.01) for k in range(int((t - b_start) / 0.01) + 5)]  # busy throughout
+
+    def write(name, role, rows, shape):
+        lines = [json.dumps({"worker_id": name, "role": role})]
+        lines += [json.dumps({"t": t0, "wall_s": w, **shape.to_dict()}) for t0, w in rows]
+        (tmp_path / f"{name}.jsonl").write_text("\n".join(lines) + "\n")
+
+    write("decode-0", "decode", lines_a, shape)
+    write("colocated-0", "colocated", lines_b, StepShape(0, 0, 1, 100))
+    calibrated, result = calibrate(cost, tmp_path)
+    assert result["decode"].alone == pytest.approx(1.1, rel=1e-3)
+    assert result["decode"].neighbour_slowdown == pytest.approx(0.2, rel=1e-2)
+    assert calibrated.role("decode").neighbour_slowdown == pytest.approx(0.2, rel=1e-2)
+    assert calibrated.role("decode").step.time_s(shape) == pytest.approx(1.1 * pred, rel=1e-3)
+
+
 @pytest.mark.parametrize("files, message", [
     ({}, "no step traces"),
     ({"w.jsonl": "not json\n"}, "not a step trace"),

@@ -71,6 +71,22 @@ def test_colocated_two_requests_share_steps():
     assert rec.itls[0] == pytest.approx((mixed, two, two, one))
 
 
+def test_neighbour_slowdown_on_a_shared_host():
+    # Two colocated instances on one host; a step is 1.5x while the other instance is mid-step
+    # (judged when the step starts). Request 0 reaches instance 0 at 0 (neighbour idle: 0.11 s);
+    # request 1 reaches instance 1 at 0.05 while instance 0 is busy: its prefill takes 1.5x.
+    profile = profile_dict()
+    profile["roles"]["colocated"]["neighbour_slowdown"] = 0.5
+    workload = fixed_workload([0.0, 0.05], [100, 100], [1, 1])
+    _, shared = run(profile, "colocated=2", workload, instances_per_host=2)
+    assert shared.ttft == pytest.approx([0.11, 1.5 * 0.11])
+    _, apart = run(profile, "colocated=2", workload, instances_per_host=1)
+    assert apart.ttft == pytest.approx([0.11, 0.11])
+    # Stepping every step (no fast-forward) is what makes the neighbour's state visible.
+    sim, _ = run(profile, "colocated=2", fixed_workload([0.0], [16], [8]), instances_per_host=2)
+    assert not sim.is_fast_forward
+
+
 def test_pd_first_token_at_prefill_end_and_decode_after_layerwise_transfer():
     # 100 prompt tokens x 1000 B over 4 layers on a 1 MB/s link: 25 ms of sending per layer.
     # Prefill step 0.11 s: layer i is computed at 0.0275 (i+1); sends end at 0.0525, 0.08,

@@ -20,6 +20,8 @@ import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+import numpy as np
+
 from epdserve.errors import ConfigError
 from epdserve.sim.cost_model import STEP_ROLES, CostModel, StepCost, StepShape
 
@@ -32,18 +34,35 @@ class RoleCalibration:
     num_steps: int
     served_s: float  # sum of the traced steps' time in service
     predicted_s: float  # sum of what the profile predicts for the same shapes
+    alone: float  # served / predicted for a step while no other traced worker is mid-step
+    neighbour_slowdown: float  # relative extra time while every other traced worker is mid-step
 
     @property
     def factor(self) -> float:
         return self.served_s / self.predicted_s
 
     def to_dict(self) -> dict:
-        return {"factor": round(self.factor, 4), "num_steps": self.num_steps,
+        return {"factor": round(self.factor, 4), "alone": round(self.alone, 4),
+                "neighbour_slowdown": round(self.neighbour_slowdown, 4), "num_steps": self.num_steps,
                 "served_s": round(self.served_s, 3), "predicted_s": round(self.predicted_s, 3)}
+
+
+@dataclass(frozen=True)
+class WorkerTrace:
+    worker_id: str
+    role: str
+    starts: np.ndarray  # step start times (s, one clock for every worker of the host)
+    walls: np.ndarray  # step times in service (s)
+    shapes: list[StepShape]
 
 
 def read_step_trace(path: Path) -> tuple[dict, list[tuple[StepShape, float]]]:
     """A worker's trace file: its header and (shape, seconds in service) per step."""
+    header, trace = _read(path)
+    return header, list(zip(trace.shapes, trace.walls.tolist()))
+
+
+def _read(path: Path) -> tuple[dict, WorkerTrace]:
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except OSError as e:
@@ -52,44 +71,86 @@ def read_step_trace(path: Path) -> tuple[dict, list[tuple[StepShape, float]]]:
         header = json.loads(lines[0]) if lines else None
         if not isinstance(header, dict) or "role" not in header:
             raise ConfigError(f"{path}: the first line must name the worker's role")
-        steps = []
-        for line in lines[1:]:
-            if not line.strip():
-                continue
-            d = json.loads(line)
-            steps.append((StepShape.from_dict(d), float(d["wall_s"])))
-    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+        records = [json.loads(line) for line in lines[1:] if line.strip()]
+        trace = WorkerTrace(
+            str(header.get("worker_id", path.stem)), header["role"],
+            np.array([float(d["t"]) for d in records]), np.array([float(d["wall_s"]) for d in records]),
+            [StepShape.from_dict(d) for d in records],
+        )
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as e:
         raise ConfigError(f"{path}: not a step trace ({e})") from None
-    return header, steps
+    return header, trace
+
+
+def busy_overlap(trace: WorkerTrace, others: list[WorkerTrace]) -> np.ndarray:
+    """Per step of ``trace``: the mean over the other workers of the share of the step during
+    which that worker was mid-step (0: all idle throughout, 1: all busy throughout)."""
+    if not others:
+        return np.zeros(len(trace.walls))
+    total = np.zeros(len(trace.walls))
+    ends = trace.starts + trace.walls
+    for other in others:
+        order = np.argsort(other.starts)
+        o_start, o_end = other.starts[order], (other.starts + other.walls)[order]
+        # busy time of ``other`` before t: cumulative step time, clipped inside the step at t
+        cum = np.concatenate([[0.0], np.cumsum(o_end - o_start)])
+
+        def busy_before(t: np.ndarray, o_start=o_start, o_end=o_end, cum=cum) -> np.ndarray:
+            i = np.searchsorted(o_start, t, side="right")  # steps begun before t
+            last = np.maximum(i - 1, 0)
+            partial = np.where(i > 0, np.minimum(t, o_end[last]) - o_start[last], 0.0)
+            full = cum[last]
+            return np.where(i > 0, full + np.maximum(partial, 0.0), 0.0)
+
+        total += (busy_before(ends) - busy_before(trace.starts)) / np.maximum(trace.walls, 1e-9)
+    return np.clip(total / len(others), 0.0, 1.0)
+
+
+def fit_role(walls: np.ndarray, predicted: np.ndarray, overlap: np.ndarray) -> tuple[float, float]:
+    """``wall ~ predicted x (alone + extra x overlap)`` by least squares; returns (alone,
+    extra / alone). Without a spread of overlaps (or a negative slope) one factor fits all."""
+    ratio = float(walls.sum() / predicted.sum())
+    if overlap.max() - overlap.min() < 0.5:
+        return ratio, 0.0
+    x = np.column_stack([predicted, predicted * overlap])
+    (alone, extra), *_ = np.linalg.lstsq(x, walls, rcond=None)
+    if alone <= 0 or extra <= 0:
+        return ratio, 0.0
+    return float(alone), float(extra / alone)
 
 
 def calibrate(cost: CostModel, trace_dir: Path) -> tuple[CostModel, dict[str, RoleCalibration]]:
-    """The profile with each traced role's step cost scaled by its served / predicted ratio."""
+    """The profile with each traced role's step cost scaled to its steps in service: by the
+    served / predicted ratio of a step with no traced neighbour busy, plus a neighbour
+    slowdown for the share of the host's other traced workers that are mid-step."""
     files = sorted(Path(trace_dir).glob("*.jsonl"))
     if not files:
         raise ConfigError(f"no step traces (*.jsonl) in {trace_dir}; serve with --step-trace-dir {trace_dir}")
-    served: dict[str, float] = {}
-    predicted: dict[str, float] = {}
-    counts: dict[str, int] = {}
+    traces = []
     for path in files:
-        header, steps = read_step_trace(path)
-        role = header["role"]
-        if role not in STEP_ROLES:
-            raise ConfigError(f"{path}: role {role!r} has no step cost to calibrate")
-        step_cost = cost.role(role).step
-        served[role] = served.get(role, 0.0) + sum(t for _, t in steps)
-        predicted[role] = predicted.get(role, 0.0) + sum(step_cost.time_s(shape) for shape, _ in steps)
-        counts[role] = counts.get(role, 0) + len(steps)
+        _, trace = _read(path)
+        if trace.role not in STEP_ROLES:
+            raise ConfigError(f"{path}: role {trace.role!r} has no step cost to calibrate")
+        traces.append(trace)
+    by_role: dict[str, list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = {}
+    for trace in traces:
+        step_cost = cost.role(trace.role).step
+        predicted = np.array([step_cost.time_s(shape) for shape in trace.shapes])
+        overlap = busy_overlap(trace, [t for t in traces if t is not trace])
+        by_role.setdefault(trace.role, []).append((trace.walls, predicted, overlap))
     result = {}
-    for role, n in counts.items():
-        if n < MIN_STEPS:
-            raise ConfigError(f"only {n} {role} steps traced in {trace_dir}; calibrate needs at least {MIN_STEPS}")
-        result[role] = RoleCalibration(role, n, served[role], predicted[role])
+    for role, parts in by_role.items():
+        walls, predicted, overlap = (np.concatenate(p) for p in zip(*parts))
+        if len(walls) < MIN_STEPS:
+            raise ConfigError(f"only {len(walls)} {role} steps traced in {trace_dir}; "
+                              f"calibrate needs at least {MIN_STEPS}")
+        alone, slowdown = fit_role(walls, predicted, overlap)
+        result[role] = RoleCalibration(role, len(walls), float(walls.sum()), float(predicted.sum()), alone, slowdown)
     roles = dict(cost.roles)
     for role, cal in result.items():
         old = roles[role]
-        scaled = StepCost(**{k: v * cal.factor for k, v in old.step.to_dict().items()})
-        roles[role] = replace(old, step=scaled)
+        scaled = StepCost(**{k: v * cal.alone for k, v in old.step.to_dict().items()})
+        roles[role] = replace(old, step=scaled, neighbour_slowdown=cal.neighbour_slowdown)
     raw = dict(cost.raw)
     raw["calibration"] = {"step_trace_dir": str(trace_dir), "roles": {r: c.to_dict() for r, c in result.items()}}
     return replace(cost, roles=roles, raw=raw), result
@@ -115,6 +176,7 @@ def run_calibrate_command(ns: argparse.Namespace) -> int:
         raise ConfigError(f"cannot write {ns.out}: {e.strerror}") from None
     for role, cal in sorted(result.items()):
         print(f"{role:10s} {cal.num_steps:6d} steps  served {cal.served_s:8.2f} s  "
-              f"profile predicts {cal.predicted_s:8.2f} s  factor {cal.factor:.3f}")
+              f"profile predicts {cal.predicted_s:8.2f} s  factor {cal.factor:.3f}  "
+              f"(alone {cal.alone:.3f}, neighbour slowdown +{100 * cal.neighbour_slowdown:.1f} %)")
     print(f"wrote {ns.out}")
     return 0

@@ -43,6 +43,9 @@ def _add_cluster_args(p: argparse.ArgumentParser) -> None:
     c.add_argument("--max-waiting-per-worker", type=int, default=None, help="router: queued per worker (default 256)")
     c.add_argument("--heartbeat-s", type=float, default=0.2, help="load reports reach the router this often")
     c.add_argument("--no-fast-forward", action="store_true", help="step every decode step (slower, same result)")
+    c.add_argument("--instances-per-host", type=int, default=1,
+                   help="instances sharing a host, in topology order; a calibrated profile's neighbour slowdown "
+                        "applies among them")
 
 
 def add_simulate_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -148,6 +151,7 @@ def sim_config_kwargs(ns: argparse.Namespace) -> dict:
         "is_mm_pipelined": not ns.no_pipeline,
         "encode_max_batch_images": ns.encode_batch_images,
         "is_fast_forward": not ns.no_fast_forward,
+        "instances_per_host": ns.instances_per_host,
     }
 
 

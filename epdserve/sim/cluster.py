@@ -66,6 +66,14 @@ class ClusterSim:
         for role in topo.roles:
             for i in range(topo.count(role)):
                 self._add_instance(role, f"{role}-{i}")
+        per_host = config.instances_per_host
+        for inst in self.instances:
+            host = inst.index // per_host
+            inst.neighbours = [o for o in self.instances if o is not inst and o.index // per_host == host]
+        # A step's time then depends on the other instances' state, which a fast-forwarded
+        # stretch cannot see: step every step.
+        self.is_fast_forward = config.is_fast_forward and not any(
+            getattr(inst, "neighbour_slowdown", 0.0) and inst.neighbours for inst in self.instances)
         self.recorder = Recorder(len(workload), config.max_detail_requests, watch)
         self.watch = watch
         self.is_aborted = False
@@ -241,7 +249,7 @@ class ClusterSim:
         """Start the instance's next step now, unless one is running or nothing is runnable."""
         if inst.is_busy:
             return
-        if self.config.is_fast_forward and inst.role != "prefill":
+        if self.is_fast_forward and inst.role != "prefill":
             stretch = fastforward.try_start(inst, self.now, self.max_model_len)
             if stretch is not None:
                 inst.stretch = stretch
@@ -260,6 +268,9 @@ class ClusterSim:
         now = self.now
         shape = StepShape.from_scheduler_output(out)
         step_s = inst.step_cost.time_s(shape)
+        if inst.neighbour_slowdown and inst.neighbours:
+            busy = sum(1 for o in inst.neighbours if o.is_busy) / len(inst.neighbours)
+            step_s *= 1.0 + inst.neighbour_slowdown * busy
         if shape.num_prefill_tokens:
             flights = self.flights
             for entry in out.scheduled:

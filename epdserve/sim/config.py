@@ -24,6 +24,9 @@ class SimConfig:
     encode_max_batch_images: int = 8
     max_detail_requests: int = 10_000  # requests that keep inter-token gaps and timing
     is_fast_forward: bool = True  # decode-only stretches in bulk (same result as stepping)
+    # Instances share hosts in creation order (encode, prefill, decode / colocated), this many
+    # per host; a role's ``neighbour_slowdown`` applies to the others on its host.
+    instances_per_host: int = 1
 
     def __post_init__(self) -> None:
         checks = [
@@ -34,6 +37,7 @@ class SimConfig:
             (self.encode_max_batch_images >= 1, "encode batch must hold >= 1 image"),
             (self.max_model_len is None or self.max_model_len >= 2, "max_model_len must be >= 2"),
             (self.max_detail_requests >= 0, "max_detail_requests must be >= 0"),
+            (self.instances_per_host >= 1, f"instances per host must be >= 1, got {self.instances_per_host}"),
         ]
         for ok, message in checks:
             if not ok:

@@ -199,8 +199,12 @@ class RoleProfile:
     step: StepCost
     fit: dict | None = field(default=None, compare=False)  # {"r2", "mean_abs_rel_error", "num_samples"}
     samples: tuple[dict, ...] = field(default=(), compare=False)  # StepShape fields + "time_s"
+    # A step takes (1 + neighbour_slowdown x the share of the other instances on its host that
+    # are mid-step) times ``step``; set by ``epdserve calibrate``, 0 in an offline profile.
+    neighbour_slowdown: float = 0.0
 
     def __post_init__(self) -> None:
+        _check_coefficient(f"{self.name}.neighbour_slowdown", self.neighbour_slowdown)
         _require(self.name in STEP_ROLES, f"unknown role {self.name!r} (roles: {', '.join(STEP_ROLES + (ENCODE_ROLE,))})")
         _check_count(f"{self.name}.num_threads", self.num_threads, 1)
         _check_count(f"{self.name}.num_kv_blocks", self.num_kv_blocks, 2)
@@ -218,6 +222,8 @@ class RoleProfile:
             "max_num_batched_tokens": self.max_num_batched_tokens,
             "step": self.step.to_dict(),
         }
+        if self.neighbour_slowdown:
+            d["neighbour_slowdown"] = self.neighbour_slowdown
         if self.fit is not None:
             d["fit"] = dict(self.fit)
         if self.samples:
@@ -245,6 +251,7 @@ class RoleProfile:
             step=step,
             fit=d.get("fit"),
             samples=tuple(samples),
+            neighbour_slowdown=d.get("neighbour_slowdown", 0.0),
         )
 
 

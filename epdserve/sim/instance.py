@@ -90,6 +90,8 @@ class StepInstance:
         )
         self.scheduler = Scheduler(config, self.kv_cache)
         self.step_cost: StepCost = profile.step
+        self.neighbour_slowdown = profile.neighbour_slowdown
+        self.neighbours: list = []  # the other instances on its host (set by the cluster)
         self.link = link  # prefill: where its KV leaves
         self.worker = WorkerInfo(worker_id, self.role, pid=0, host="sim", model_name=model_name,
                                  max_model_len=max_model_len, num_kv_blocks=profile.num_kv_blocks,
