@@ -57,7 +57,9 @@ WARMUP_SEED = 1000
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 IDLE_SHARE = 0.05  # other work below this share of the CPUs counts as idle
 IDLE_WINDOW_S = 3.0
-CALIBRATION_LOAD = 0.75  # the calibration run's rate, a multiple of the capacity (between the levels)
+# The calibration runs: rates as multiples of the offline capacity estimate (a light and a heavy
+# load, so that steps with the other worker idle and busy are both traced), each with its seed.
+CALIBRATION_LOADS = (0.75, 1.25)
 CALIBRATION_SEED = 500
 CAPACITY_RATES = tuple(round(0.25 * 1.25**k, 3) for k in range(20))  # 0.25 .. ~17 requests/s
 
@@ -76,7 +78,7 @@ class Scale:
     profile_quick: bool
 
 
-FULL = Scale(160, 16, 80, 256, 96, 0.25, (0.5, 1.0, 1.5), 1000.0, 80.0, False)
+FULL = Scale(160, 16, 60, 256, 96, 0.25, (0.5, 1.0, 1.5), 1000.0, 80.0, False)
 QUICK = Scale(10, 4, 24, 64, 8, 0.25, (0.5, 1.0), 1000.0, 80.0, True)
 
 
@@ -219,7 +221,7 @@ def wait_for_idle(pids: list[int], max_wait_s: float) -> float:
         print(f"other work uses {100 * other.value:.0f} % of the CPUs; waiting", flush=True)
 
 
-def run_topology(topology: str, profile: Path, capacity: float, scale: Scale, out_dir: Path,
+def run_topology(topology: str, profile: Path, capacities: dict[str, float], scale: Scale, out_dir: Path,
                  log: list[str], max_wait_idle_s: float, calibrate: bool) -> list[dict]:
     """Serve the topology, run its load levels, simulate each on the same arrivals.
 
@@ -228,6 +230,7 @@ def run_topology(topology: str, profile: Path, capacity: float, scale: Scale, ou
     level is then simulated on the calibrated profile and, for comparison, on the offline one.
     """
     name = topology.replace("=", "").replace(",", "_")
+    capacity = capacities[topology]
     cells = []
     trace_dir = out_dir / f"steps_{name}"
     if trace_dir.exists():
@@ -245,14 +248,18 @@ def run_topology(topology: str, profile: Path, capacity: float, scale: Scale, ou
                     log)
         sim_profile = profile
         if calibrate:
-            wait_for_idle(pids, max_wait_idle_s)
-            bench_serve(server.url, CALIBRATION_LOAD * capacity, scale.num_calibration_prompts, CALIBRATION_SEED, scale,
-                        out_dir / f"calibration_{name}.json", log)
+            for k, load in enumerate(CALIBRATION_LOADS):
+                wait_for_idle(pids, max_wait_idle_s)
+                bench_serve(server.url, load * capacity, scale.num_calibration_prompts, CALIBRATION_SEED + k, scale,
+                            out_dir / f"calibration_{name}_x{load:g}.json", log)
             sim_profile = out_dir / f"profile_calibrated_{name}.json"
-            # The workers' trace files are line-buffered: every step of the calibration run
+            # The workers' trace files are line-buffered: every step of the calibration runs
             # is on disk; the levels' steps come later and are not read here.
             run_logged(epdserve("calibrate", "--profile", str(profile), "--step-trace-dir", str(trace_dir),
                                 "--out", str(sim_profile)), log)
+            # The levels are multiples of what the calibrated simulator says this deployment holds.
+            capacity = estimate_capacity(sim_profile, topology, scale, out_dir / "capacity_calibrated", log)
+            capacities[topology] = capacity
         for index, level in enumerate(scale.load_levels):
             rate = level * capacity
             tag = f"{name}_x{level:g}"
@@ -309,7 +316,7 @@ def count_within(cells: list[dict]) -> tuple[int, int]:
 
 
 def build_report(cells: list[dict], capacities: dict[str, float], scale: Scale, commands: list[str],
-                 busy: float, profile: Path) -> str:
+                 busy: float, profile: Path, offline_capacities: dict[str, float]) -> str:
     num_within, num_cells = count_within(cells)
     offline = [{**c["offline"], "other_work_share": c["other_work_share"]} for c in cells if "offline" in c]
     calibrated = bool(offline)
@@ -320,8 +327,10 @@ def build_report(cells: list[dict], capacities: dict[str, float], scale: Scale, 
          f"{scale.output_len} output tokens (±{100 * scale.range_ratio:.0f} %), Poisson arrivals, seed 1, 2, 3 "
          f"for the levels, after {scale.num_warmup_prompts} unscored warm-up requests per server. "
          f"SLO: TTFT ≤ {scale.slo_ttft_ms:g} ms and TPOT ≤ {scale.slo_tpot_ms:g} ms. Loads are multiples of the "
-         "capacity the simulator estimates from the offline profile (highest rate with ≥ 90 % SLO attainment): "
-         + ", ".join(f"{t}: {r:g} req/s" for t, r in capacities.items()) + "."),
+         f"capacity the simulator estimates from the {'calibrated' if calibrated else 'offline'} profile (highest "
+         "rate with ≥ 90 % SLO attainment): " + ", ".join(f"{t}: {r:g} req/s" for t, r in capacities.items())
+         + "; from the offline profile: " + ", ".join(f"{t}: {r:g} req/s" for t, r in offline_capacities.items())
+         + "."),
         "",
         f"Machine: {machine_summary(busy)}  ",
         f"Offline profile: `{profile}`",
@@ -330,7 +339,8 @@ def build_report(cells: list[dict], capacities: dict[str, float], scale: Scale, 
     if calibrated:
         lines += [
             (f"Simulated on the calibrated profile: before the levels, each server ran {scale.num_calibration_prompts} "
-             f"unscored requests at {CALIBRATION_LOAD:g}x capacity (seed {CALIBRATION_SEED}) with its workers tracing "
+             "unscored requests at each of " + " and ".join(f"{x:g}x" for x in CALIBRATION_LOADS)
+             + f" the offline capacity estimate (seeds {CALIBRATION_SEED}+) with its workers tracing "
              "their steps, and `epdserve calibrate` fitted each role's traced step times against the profile's "
              "prediction for the same shapes: a factor for a step while the other worker is idle, and a "
              "slowdown while it is mid-step (simulated with `--instances-per-host 2`):"),
@@ -393,10 +403,12 @@ def main(argv: list[str] | None = None) -> int:
     started = time.time()
     capacities = {t: estimate_capacity(profile, t, scale, out_dir / "capacity", commands) for t in topologies}
     print("capacity (simulated): " + ", ".join(f"{t} {r:g} req/s" for t, r in capacities.items()), flush=True)
-    cells = [cell for t in topologies for cell in run_topology(t, profile, capacities[t], scale, out_dir, commands,
+    offline_capacities = dict(capacities)  # run_topology replaces each by the calibrated estimate
+    cells = [cell for t in topologies for cell in run_topology(t, profile, capacities, scale, out_dir, commands,
                                                     ns.max_wait_idle_s, not ns.no_calibrate)]
-    report = build_report(cells, capacities, scale, commands, busy, profile)
-    results = {"scale": scale.__dict__, "capacities": capacities, "cells": cells, "busy_at_start": busy,
+    report = build_report(cells, capacities, scale, commands, busy, profile, offline_capacities)
+    results = {"scale": scale.__dict__, "capacities": capacities, "offline_capacities": offline_capacities,
+               "cells": cells, "busy_at_start": busy,
                "profile": str(profile), "commands": commands, "wall_s": time.time() - started}
     (out_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
     (out_dir / "report.md").write_text(report, encoding="utf-8")
