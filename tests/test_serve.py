@@ -331,6 +331,9 @@ def test_workers_trace_their_steps_and_calibrate_reads_them(pd_shm):
     assert any(s.num_prefill_tokens == num_prompt and s.num_decode_seqs == 0 for s, _ in traces["prefill"])
     assert traces["decode"] and all(s.num_prefill_tokens == 0 and s.num_decode_seqs >= 1 for s, _ in traces["decode"])
     assert all(t > 0 for steps in traces.values() for _, t in steps)
+    for path in pd_shm.step_trace_dir.glob("*.jsonl"):  # the worker's CPU time per step
+        records = [json.loads(line) for line in path.read_text().splitlines()[1:]]
+        assert records and all(r["cpu_s"] >= 0 for r in records)
     # Calibrating a synthetic profile on them scales each role by served / predicted.
     cost = CostModel.from_dict(profile_dict())
     calibrated, result = calibrate(cost, pd_shm.step_trace_dir)

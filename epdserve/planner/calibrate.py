@@ -36,6 +36,7 @@ class RoleCalibration:
     predicted_s: float  # sum of what the profile predicts for the same shapes
     alone: float  # served / predicted for a step while no other traced worker is mid-step
     neighbour_slowdown: float  # relative extra time while every other traced worker is mid-step
+    cpu_share: float | None = None  # one-thread workers: their CPU time / served time (None: not traced)
 
     @property
     def factor(self) -> float:
@@ -44,6 +45,7 @@ class RoleCalibration:
     def to_dict(self) -> dict:
         return {"factor": round(self.factor, 4), "alone": round(self.alone, 4),
                 "neighbour_slowdown": round(self.neighbour_slowdown, 4), "num_steps": self.num_steps,
+                "cpu_share": None if self.cpu_share is None else round(self.cpu_share, 4),
                 "served_s": round(self.served_s, 3), "predicted_s": round(self.predicted_s, 3)}
 
 
@@ -54,6 +56,8 @@ class WorkerTrace:
     starts: np.ndarray  # step start times (s, one clock for every worker of the host)
     walls: np.ndarray  # step times in service (s)
     shapes: list[StepShape]
+    cpus: np.ndarray | None = None  # the worker's CPU time per step (s); None in traces without it
+    num_threads: int = 1
 
 
 def read_step_trace(path: Path) -> tuple[dict, list[tuple[StepShape, float]]]:
@@ -76,6 +80,8 @@ def _read(path: Path) -> tuple[dict, WorkerTrace]:
             str(header.get("worker_id", path.stem)), header["role"],
             np.array([float(d["t"]) for d in records]), np.array([float(d["wall_s"]) for d in records]),
             [StepShape.from_dict(d) for d in records],
+            np.array([float(d["cpu_s"]) for d in records]) if all("cpu_s" in d for d in records) else None,
+            int(header.get("num_threads", 1)),
         )
     except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as e:
         raise ConfigError(f"{path}: not a step trace ({e})") from None
@@ -133,7 +139,10 @@ def calibrate(cost: CostModel, trace_dir: Path) -> tuple[CostModel, dict[str, Ro
             raise ConfigError(f"{path}: role {trace.role!r} has no step cost to calibrate")
         traces.append(trace)
     by_role: dict[str, list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = {}
+    cpu: dict[str, list[tuple[float, float]]] = {}  # one-thread workers: (CPU s, served s)
     for trace in traces:
+        if trace.cpus is not None and trace.num_threads == 1:
+            cpu.setdefault(trace.role, []).append((float(trace.cpus.sum()), float(trace.walls.sum())))
         step_cost = cost.role(trace.role).step
         predicted = np.array([step_cost.time_s(shape) for shape in trace.shapes])
         overlap = busy_overlap(trace, [t for t in traces if t is not trace])
@@ -145,7 +154,9 @@ def calibrate(cost: CostModel, trace_dir: Path) -> tuple[CostModel, dict[str, Ro
             raise ConfigError(f"only {len(walls)} {role} steps traced in {trace_dir}; "
                               f"calibrate needs at least {MIN_STEPS}")
         alone, slowdown = fit_role(walls, predicted, overlap)
-        result[role] = RoleCalibration(role, len(walls), float(walls.sum()), float(predicted.sum()), alone, slowdown)
+        cpu_share = sum(c for c, _ in cpu[role]) / sum(w for _, w in cpu[role]) if role in cpu else None
+        result[role] = RoleCalibration(role, len(walls), float(walls.sum()), float(predicted.sum()), alone, slowdown,
+                                       cpu_share)
     roles = dict(cost.roles)
     for role, cal in result.items():
         old = roles[role]
@@ -177,6 +188,7 @@ def run_calibrate_command(ns: argparse.Namespace) -> int:
     for role, cal in sorted(result.items()):
         print(f"{role:10s} {cal.num_steps:6d} steps  served {cal.served_s:8.2f} s  "
               f"profile predicts {cal.predicted_s:8.2f} s  factor {cal.factor:.3f}  "
-              f"(alone {cal.alone:.3f}, neighbour slowdown +{100 * cal.neighbour_slowdown:.1f} %)")
+              f"(alone {cal.alone:.3f}, neighbour slowdown +{100 * cal.neighbour_slowdown:.1f} %"
+              + ("" if cal.cpu_share is None else f"; on CPU {100 * cal.cpu_share:.0f} % of it") + ")")
     print(f"wrote {ns.out}")
     return 0
