@@ -334,10 +334,11 @@ def test_workers_trace_their_steps_and_calibrate_reads_them(pd_shm):
     for path in pd_shm.step_trace_dir.glob("*.jsonl"):  # the worker's CPU time per step
         records = [json.loads(line) for line in path.read_text().splitlines()[1:]]
         assert records and all(r["cpu_s"] >= 0 for r in records)
-    # Calibrating a synthetic profile on them scales each role by served / predicted.
+    # Calibrating a synthetic profile on them scales each role by its fitted factor for a step alone.
     cost = CostModel.from_dict(profile_dict())
     calibrated, result = calibrate(cost, pd_shm.step_trace_dir)
     assert set(result) == {"prefill", "decode"}
     for role, cal in result.items():
         assert cal.served_s == pytest.approx(sum(t for _, t in traces[role]), rel=1e-3)
-        assert calibrated.role(role).step.base_s == pytest.approx(cost.role(role).step.base_s * cal.factor)
+        assert calibrated.role(role).step.base_s == pytest.approx(cost.role(role).step.base_s * cal.alone)
+        assert calibrated.role(role).neighbour_slowdown == pytest.approx(cal.neighbour_slowdown)
