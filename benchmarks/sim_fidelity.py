@@ -41,7 +41,13 @@ from pathlib import Path
 import numpy as np
 
 from epdserve.bench.experiments.launch import list_workers, start_server, stop_server
-from epdserve.bench.experiments.report import cpu_busy_share, machine_summary, markdown_table
+from epdserve.bench.experiments.report import (
+    cpu_busy_share,
+    machine_summary,
+    machine_ticks,
+    markdown_table,
+    process_ticks,
+)
 
 TOPOLOGIES = {  # simulator topology -> serve flags (every worker on one core)
     "colocated=2": ["--colocated-workers", "2", "--cores-per-worker", "1"],
@@ -169,26 +175,11 @@ def bench_serve(url: str, rate: float, num_prompts: int, seed: int, scale: Scale
     return json.loads(out.read_text())
 
 
-def cpu_ticks() -> tuple[int, int]:
-    """(busy, total) clock ticks of all CPUs since boot, from /proc/stat."""
-    with open("/proc/stat", encoding="utf-8") as f:
-        fields = [int(v) for v in f.readline().split()[1:9]]
-    return sum(fields) - fields[3] - fields[4], sum(fields)
-
-
 def own_ticks(pids: list[int]) -> int:
     """CPU ticks used by ``pids`` (the server and its workers) and by this script's waited-for
     children (the bench client)."""
-    ticks = 0
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat", encoding="utf-8") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            ticks += int(fields[11]) + int(fields[12])  # utime, stime
-        except (OSError, IndexError, ValueError):
-            pass
     children = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return ticks + round((children.ru_utime + children.ru_stime) * CLOCK_TICKS)
+    return process_ticks(pids) + round((children.ru_utime + children.ru_stime) * CLOCK_TICKS)
 
 
 @dataclass
@@ -201,10 +192,10 @@ def other_work(pids: list[int]) -> Iterator[Share]:
     """Share of all CPU time that processes other than the server, its workers and the bench
     client used while the body ran: other work on the machine skews every real timing."""
     share = Share()
-    busy0, total0 = cpu_ticks()
+    total0, busy0 = machine_ticks()
     own0 = own_ticks(pids)
     yield share
-    busy, total = cpu_ticks()
+    total, busy = machine_ticks()
     other = (busy - busy0) - (own_ticks(pids) - own0)
     share.value = max(0.0, other / (total - total0)) if total > total0 else 0.0
 

@@ -43,7 +43,7 @@ from epdserve.bench.experiments.launch import (
     start_server,
     stop_server,
 )
-from epdserve.bench.experiments.report import begin, write_outputs
+from epdserve.bench.experiments.report import begin, machine_ticks, process_ticks, write_outputs
 from epdserve.bench.metrics import RequestOutput
 from epdserve.bench.mm_workloads import random_mm_requests
 from epdserve.bench.workloads import SampleRequest, load_tokenizer
@@ -133,19 +133,9 @@ class CellRun:
 
 
 def cpu_ticks(pids: list[int]) -> tuple[int, int, int]:
-    """(all CPU time, busy CPU time, CPU time of ``pids`` so far), in clock ticks from /proc.
-    Two readings give the share of the machine that other work took in between."""
-    with open("/proc/stat", encoding="utf-8") as f:
-        fields = [int(v) for v in f.readline().split()[1:9]]
-    num_ours = 0
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat", encoding="utf-8") as f:
-                stat = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue  # exited: its time is lost, so other work is overstated, never hidden
-        num_ours += int(stat[11]) + int(stat[12])  # utime + stime (fields 14 and 15)
-    return sum(fields), sum(fields) - fields[3] - fields[4], num_ours
+    """(all CPU time, busy CPU time, CPU time of ``pids`` so far), in clock ticks. Two readings
+    give the share of the machine that other work took in between."""
+    return (*machine_ticks(), process_ticks(pids))
 
 
 def other_share(before: tuple[int, int, int], after: tuple[int, int, int]) -> float:

@@ -41,24 +41,39 @@ def begin(name: str, out_dir: Path, is_quick: bool) -> ExperimentRun:
 CPU_SAMPLE_S = 1.0  # how long cpu_busy_share watches the machine
 
 
+def machine_ticks() -> tuple[int, int]:
+    """(all, busy) CPU time of every CPU since boot, in clock ticks (/proc/stat)."""
+    with open("/proc/stat", encoding="utf-8") as f:
+        fields = [int(v) for v in f.readline().split()[1:9]]
+    return sum(fields), sum(fields) - fields[3] - fields[4]  # idle and iowait are not busy
+
+
+def process_ticks(pids: list[int]) -> int:
+    """CPU time (user + system, clock ticks) that these processes have used; one that has
+    exited counts 0, so other work computed from it is overstated, never hidden."""
+    ticks = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat", encoding="utf-8") as f:
+                stat = f.read().rsplit(")", 1)[1].split()
+            ticks += int(stat[11]) + int(stat[12])  # utime, stime (fields 14 and 15)
+        except (OSError, IndexError, ValueError):
+            pass
+    return ticks
+
+
 def cpu_busy_share(sample_s: float = CPU_SAMPLE_S) -> float:
     """Fraction of all CPU time spent busy over the next ``sample_s`` seconds (from /proc/stat).
     Taken before an experiment starts anything, it is other work on the machine, which skews
     every timing."""
-
-    def read() -> tuple[int, int]:
-        with open("/proc/stat", encoding="utf-8") as f:
-            fields = [int(v) for v in f.readline().split()[1:9]]
-        return sum(fields), fields[3] + fields[4]  # total, idle + iowait (clock ticks)
-
     try:
-        total_before, idle_before = read()
+        total_before, busy_before = machine_ticks()
         time.sleep(sample_s)
-        total_after, idle_after = read()
+        total_after, busy_after = machine_ticks()
     except (OSError, ValueError, IndexError):
         return float("nan")
     total = total_after - total_before
-    return 1.0 - (idle_after - idle_before) / total if total > 0 else 0.0
+    return (busy_after - busy_before) / total if total > 0 else 0.0
 
 
 def cpu_model() -> str:
