@@ -22,22 +22,12 @@ import torch
 from epdserve.config import EngineArgs
 from epdserve.engine.engine import LLMEngine
 from epdserve.engine.scheduler import SchedulerOutput
-from epdserve.planner.profile import StepProbe, scatter_free_blocks
+from epdserve.planner.profile import StepProbe
 from epdserve.planner.profile_grid import StepPoint
 
 
-def reset_free_order(engine: LLMEngine) -> None:
-    """Free blocks back in id order: a fresh pool's contiguous runs."""
-    for pool in engine.kv_cache.pools:
-        block_ids = sorted(pool.free_queue)
-        pool.free_queue.clear()
-        pool.free_queue.update((b, None) for b in block_ids)
-
-
 def median_step_ms(engine: LLMEngine, probe: StepProbe, point: StepPoint, repeats: int, scattered: bool) -> float:
-    reset_free_order(engine)
-    if scattered:
-        scatter_free_blocks(engine.kv_cache, random.Random(0))
+    engine.kv_cache.reorder_free_blocks(random.Random(0) if scattered else None)
     entries = [probe._entry(point.decode_context - 1, 1, is_decode=True) for _ in range(point.num_decode_seqs)]
     plan = SchedulerOutput(entries)
     try:

@@ -45,6 +45,24 @@ def test_allocate_grows_table_and_refuses_when_short():
     assert kv.is_all_free()
 
 
+def test_reorder_free_blocks_id_order_or_shuffled():
+    import random
+
+    kv = full_only(num_blocks=33, block_size=4, caching=False)
+    kv.allocate("a", 0, 8)
+    kv.free("a")  # its blocks return to the end, last block first
+    kv.reorder_free_blocks(None)  # id order: a fresh pool's contiguous runs
+    assert kv.allocate("b", 0, 16)
+    assert kv.block_tables("b")[0] == [1, 2, 3, 4]
+    kv.free("b")
+    kv.reorder_free_blocks(random.Random(0))  # a permutation of the same free blocks
+    for pool in kv.pools:
+        assert sorted(pool.free_queue) == list(range(1, 33)) and list(pool.free_queue) != list(range(1, 33))
+    assert kv.allocate("c", 0, 128) and kv.num_free_blocks() == 0
+    kv.free("c")
+    assert kv.is_all_free()
+
+
 def test_prefix_hit_shares_blocks_and_leaves_one_token():
     kv = full_only(num_blocks=16, block_size=4)
     prompt = list(range(100, 110))  # 10 tokens: 2 full blocks

@@ -26,6 +26,10 @@ import hashlib
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import random
 
 NULL_BLOCK = 0
 
@@ -139,6 +143,14 @@ class BlockPool:
     def count_evictable(self, block_ids: list[int]) -> int:
         """How many of these (hit) blocks currently sit in the free queue."""
         return sum(1 for b in block_ids if self.ref_counts[b] == 0)
+
+    def reorder_free(self, rng: random.Random | None) -> None:
+        """Free blocks in block-id order (as in a fresh pool: a request's blocks come in one
+        contiguous run), or shuffled by ``rng`` (as after requests have come and gone)."""
+        block_ids = sorted(self.free_queue) if rng is None else list(self.free_queue)
+        if rng is not None:
+            rng.shuffle(block_ids)
+        self.free_queue = OrderedDict((b, None) for b in block_ids)
 
     def reset_prefix_cache(self) -> None:
         for block_hash, block_id in list(self.cached.items()):
@@ -355,6 +367,12 @@ class KVCacheManager:
             return
         for pool, table in zip(self.pools, entry.tables):
             pool.free(table)
+
+    def reorder_free_blocks(self, rng: random.Random | None) -> None:
+        """Every pool's free blocks in id order (None) or shuffled (``BlockPool.reorder_free``);
+        where a request's pages lie changes how fast the attention kernels read them."""
+        for pool in self.pools:
+            pool.reorder_free(rng)
 
     def reset_prefix_cache(self) -> None:
         for pool in self.pools:

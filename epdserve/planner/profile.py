@@ -96,19 +96,6 @@ def median_time_s(run: Callable[[], object], grid: ProfileGrid) -> float:
     return statistics.median(times)
 
 
-def scatter_free_blocks(kv_cache, rng: random.Random) -> None:
-    """Put each pool's free blocks in a random order, as in a worker that has served for a
-    while (blocks return as requests finish): a probe's sequences then hold scattered pages,
-    not one contiguous run each. Decode steps read every page of every sequence, and on this
-    kind of CPU scattered pages make them markedly slower (30 % at 12 sequences of 400 tokens
-    here); a profile of contiguous pages underestimates every served decode step."""
-    for pool in kv_cache.pools:
-        block_ids = list(pool.free_queue)
-        rng.shuffle(block_ids)
-        pool.free_queue.clear()
-        pool.free_queue.update((b, None) for b in block_ids)
-
-
 class StepProbe:
     """Times synthetic steps on one engine's runner; blocks are taken from and returned to the
     engine's KV cache manager around every point."""
@@ -138,7 +125,11 @@ class StepProbe:
         return ScheduledRequest(request, start_pos, num_new, tables, True)
 
     def build(self, point: StepPoint) -> SchedulerOutput:
-        scatter_free_blocks(self.engine.kv_cache, self._rng)  # freed blocks return in runs
+        # Scattered pages, as in a worker that has served a while: decode steps read every
+        # page of every sequence and are markedly slower over scattered pages than over the
+        # contiguous runs a fresh pool hands out (benchmarks/scattered_pages.py: 1.35x at 12
+        # sequences of 400 tokens here). Shuffled before every point: freed blocks return in runs.
+        self.engine.kv_cache.reorder_free_blocks(self._rng)
         entries = [self._entry(s, n, is_decode=False) for s, n in point.prefills]
         entries += [self._entry(point.decode_context - 1, 1, is_decode=True) for _ in range(point.num_decode_seqs)]
         return SchedulerOutput(entries)
