@@ -167,7 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     wrk.add_argument("--embed-transport", choices=("shm", "tcp"), default="shm", help="how encode workers reach the slab")
     wrk.add_argument("--encode-batch-images", type=int, default=1, help="images per encoder forward pass")
     wrk.add_argument("--encoder-cache-mb", type=float, default=256.0, help="content-hash embedding cache")
-    wrk.add_argument("--step-trace-dir", default=None, help="write every model step to DIR/<worker id>.jsonl (for epdserve profile calibrate)")
+    wrk.add_argument("--step-trace-dir", default=None, help="write every model step to DIR/<worker id>.jsonl (for epdserve calibrate)")
     wrk.add_argument("--die-with-parent", action="store_true", help=argparse.SUPPRESS)
     wrk.add_argument("--debug-stall-kv-transfers", action="store_true", help=argparse.SUPPRESS)
     add_engine_args(wrk)

@@ -10,13 +10,18 @@ what an offline profile predicts for the same shapes (see ``planner/calibrate.py
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
-from epdserve.engine.scheduler import SchedulerOutput
 from epdserve.sim.cost_model import StepShape
+
+if TYPE_CHECKING:
+    from epdserve.engine.engine import LLMEngine
 
 
 class StepTrace:
@@ -27,9 +32,16 @@ class StepTrace:
         header = {"worker_id": worker_id, "role": role, "num_threads": num_threads, "pid": os.getpid()}
         self._file.write(json.dumps(header) + "\n")
 
-    def record(self, plan: SchedulerOutput, start: float, wall_s: float, cpu_s: float) -> None:
-        """One step that ran ``plan``, begun at ``start`` (``time.monotonic``), ``wall_s`` long,
-        ``cpu_s`` of the worker process's CPU time (all its threads) during it."""
+    @contextlib.contextmanager
+    def step(self, engine: LLMEngine) -> Iterator[None]:
+        """Around one engine step (and sending its outputs): records it when it ran the model
+        (start on ``time.monotonic``, wall time, the worker process's CPU time in all threads)."""
+        start, cpu_start = time.monotonic(), time.process_time()
+        yield
+        plan = engine.last_plan
+        if plan is None or not plan.scheduled:
+            return
+        wall_s, cpu_s = time.monotonic() - start, time.process_time() - cpu_start
         shape = StepShape.from_scheduler_output(plan)
         record = {"t": round(start, 6), "wall_s": round(wall_s, 6), "cpu_s": round(cpu_s, 6), **shape.to_dict()}
         self._file.write(json.dumps(record) + "\n")

@@ -205,11 +205,11 @@ class Worker:
                     for request_id, error in self.images.encode_inline():
                         self.sock.send(m.encode(m.RequestFailed(request_id, error)))
                 if self.engine.has_unfinished():
-                    start, cpu_start = time.monotonic(), time.process_time()
-                    self._send_outputs(self.engine.step())
-                    if self._step_trace is not None and self.engine.last_num_scheduled:
-                        self._step_trace.record(self.engine.last_plan, start, time.monotonic() - start,
-                                                time.process_time() - cpu_start)
+                    if self._step_trace is None:
+                        self._send_outputs(self.engine.step())
+                    else:
+                        with self._step_trace.step(self.engine):
+                            self._send_outputs(self.engine.step())
                 self._report_transfers()
                 self._expire_reservations()
         finally:

@@ -97,7 +97,6 @@ class LLMEngine:
         self._sequences: dict[str, _Sequence] = {}
         self._children: dict[str, list[str]] = {}
         self._mm_inputs: dict[str, list[MMInput]] = {}  # by the id the request was added with
-        self.last_num_scheduled = 0  # requests the last step ran (0: all waiting, e.g. for images)
         self.last_plan: SchedulerOutput | None = None  # what the last step scheduled
         self._ids = itertools.count()
 
@@ -273,11 +272,15 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    @property
+    def last_num_scheduled(self) -> int:
+        """Requests the last step ran (0: all waiting, e.g. for images)."""
+        return len(self.last_plan.scheduled) if self.last_plan is not None else 0
+
     # -- the loop ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         plan = self.scheduler.schedule()
         self.last_plan = plan
-        self.last_num_scheduled = len(plan.scheduled)
         if plan.is_empty:
             return []
         for entry in plan.scheduled:

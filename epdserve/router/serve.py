@@ -37,7 +37,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--worker-log-dir", default=None, help="write each worker's output to DIR/<id>.log")
     g.add_argument("--step-trace-dir", default=None,
                    help="each prefill/decode/colocated worker writes its model steps (shape, time in service) "
-                        "to DIR/<id>.jsonl, for epdserve profile calibrate")
+                        "to DIR/<id>.jsonl, for epdserve calibrate")
     v = parser.add_argument_group("images")
     v.add_argument("--vision", default=None,
                    help="take images: the vision tower ('default', 'smolvlm-256m'; a VLM checkpoint brings its own). "
