@@ -60,13 +60,8 @@ class WorkerTrace:
     num_threads: int = 1
 
 
-def read_step_trace(path: Path) -> tuple[dict, list[tuple[StepShape, float]]]:
-    """A worker's trace file: its header and (shape, seconds in service) per step."""
-    header, trace = _read(path)
-    return header, list(zip(trace.shapes, trace.walls.tolist()))
-
-
-def _read(path: Path) -> tuple[dict, WorkerTrace]:
+def read_step_trace(path: Path) -> WorkerTrace:
+    """A worker's trace file (``cluster/step_trace.py``)."""
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except OSError as e:
@@ -76,7 +71,7 @@ def _read(path: Path) -> tuple[dict, WorkerTrace]:
         if not isinstance(header, dict) or "role" not in header:
             raise ConfigError(f"{path}: the first line must name the worker's role")
         records = [json.loads(line) for line in lines[1:] if line.strip()]
-        trace = WorkerTrace(
+        return WorkerTrace(
             str(header.get("worker_id", path.stem)), header["role"],
             np.array([float(d["t"]) for d in records]), np.array([float(d["wall_s"]) for d in records]),
             [StepShape.from_dict(d) for d in records],
@@ -85,7 +80,6 @@ def _read(path: Path) -> tuple[dict, WorkerTrace]:
         )
     except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as e:
         raise ConfigError(f"{path}: not a step trace ({e})") from None
-    return header, trace
 
 
 def busy_overlap(trace: WorkerTrace, others: list[WorkerTrace]) -> np.ndarray:
@@ -134,7 +128,7 @@ def calibrate(cost: CostModel, trace_dir: Path) -> tuple[CostModel, dict[str, Ro
         raise ConfigError(f"no step traces (*.jsonl) in {trace_dir}; serve with --step-trace-dir {trace_dir}")
     traces = []
     for path in files:
-        _, trace = _read(path)
+        trace = read_step_trace(path)
         if trace.role not in STEP_ROLES:
             raise ConfigError(f"{path}: role {trace.role!r} has no step cost to calibrate")
         traces.append(trace)

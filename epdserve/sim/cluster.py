@@ -73,7 +73,7 @@ class ClusterSim:
         # A step's time then depends on the other instances' state, which a fast-forwarded
         # stretch cannot see: step every step.
         self.is_fast_forward = config.is_fast_forward and not any(
-            getattr(inst, "neighbour_slowdown", 0.0) and inst.neighbours for inst in self.instances)
+            inst.neighbour_slowdown and inst.neighbours for inst in self.instances)
         self.recorder = Recorder(len(workload), config.max_detail_requests, watch)
         self.watch = watch
         self.is_aborted = False

@@ -123,6 +123,8 @@ class EncodeInstance:
         self.batch: list = []
         self.worker = WorkerInfo(worker_id, "encode", pid=0, host="sim", model_name=model_name,
                                  max_model_len=0, num_kv_blocks=0, block_size=0, endpoint=None)
+        self.neighbour_slowdown = 0.0  # encoder steps are not calibrated
+        self.neighbours: list = []  # the other instances on its host (set by the cluster)
         self.is_busy = False
         self.num_steps = 0
         self.busy_s = 0.0
