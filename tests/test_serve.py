@@ -342,3 +342,4 @@ def test_workers_trace_their_steps_and_calibrate_reads_them(pd_shm):
         assert cal.served_s == pytest.approx(sum(t for _, t in traces[role]), rel=1e-3)
         assert calibrated.role(role).step.base_s == pytest.approx(cost.role(role).step.base_s * cal.alone)
         assert calibrated.role(role).neighbour_slowdown == pytest.approx(cal.neighbour_slowdown)
+    pd_shm.wait_all_blocks_free()
