@@ -123,8 +123,20 @@ def resolve_dtype_name(dtype: str) -> str:
 
 
 def resolve_device_name(device: str) -> str:
-    if device != "auto":
-        return device
+    """``auto`` -> cuda where torch sees a GPU, else cpu; other names are checked here so a
+    bad ``--device`` is a one-line error, not a worker's traceback."""
     import torch
 
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise ConfigError(f"device must be auto, cpu, cuda or cuda:N, got {device!r}") from None
+    if parsed.type == "cuda":
+        _require(torch.cuda.is_available(), f"device {device!r}: this torch build sees no CUDA device")
+        _require(parsed.index is None or parsed.index < torch.cuda.device_count(),
+                 f"device {device!r}: only {torch.cuda.device_count()} CUDA device(s)")
+    else:
+        _require(parsed.type == "cpu", f"device must be auto, cpu, cuda or cuda:N, got {device!r}")
+    return device

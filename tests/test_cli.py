@@ -45,6 +45,7 @@ def test_chat_generation_answers():
         (["--prompt", "hi", "--max-tokens", "0"], "max_tokens must be at least 1"),
         (["--prompt", "hi", "--model", "/nonexistent/model.gguf"], "does not exist"),
         (["--prompt", "hi", "--temperature", "-1"], "temperature"),
+        (["--prompt", "hi", "--device", "tpu"], "device must be auto, cpu, cuda or cuda:N"),
     ],
 )
 def test_bad_input_is_one_line_error(args, fragment):
@@ -61,3 +62,13 @@ def test_corrupt_gguf_is_one_line_error(tmp_path):
     assert proc.returncode != 0
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in proc.stderr and "corrupt.gguf" in lines[0]
+
+
+def test_serve_with_a_bad_device_fails_before_starting_workers():
+    import torch
+
+    device = "cuda:99" if torch.cuda.is_available() else "cuda"
+    proc = run("serve", "--port", "0", "--colocated-workers", "1", "--device", device, timeout=120)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "device" in lines[0] and "Traceback" not in proc.stderr

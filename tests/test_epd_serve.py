@@ -228,3 +228,23 @@ def test_vlm_checkpoint_serves_identically_in_process_and_split(tmp_path):
         finally:
             stop_server(server)
     assert outputs[0] == outputs[1] and len(outputs[0]) == 6
+
+
+def test_worker_that_dies_at_start_up_fails_serve_promptly(tmp_path):
+    """The router reads the checkpoint's config and tokenizer; the workers' weights are gone,
+    so every worker exits while loading: serve says so at once instead of waiting out its
+    start-up timeout."""
+    from tiny_vlm import write_tiny_vlm
+
+    from epdserve.bench import BenchError
+
+    model_dir = tmp_path / "tiny-vlm"
+    model_dir.mkdir()
+    write_tiny_vlm(model_dir)
+    for weights in model_dir.glob("*.safetensors"):
+        weights.unlink()
+    started = time.monotonic()
+    with pytest.raises(BenchError, match="workers exited during start-up: colocated-0"):
+        start_server(["--model", str(model_dir), "--dtype", "float32", "--max-model-len", "512",
+                      "--kv-cache-memory", "0.05", "--colocated-workers", "1"], str(tmp_path / "logs"), timeout_s=120)
+    assert time.monotonic() - started < 100  # the start-up timeout is 300 s

@@ -19,7 +19,7 @@ import socket
 import threading
 import time
 import uuid
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 import zmq
@@ -28,7 +28,7 @@ from epdserve.cluster import messages as m
 from epdserve.cluster.router_link import connect_to_router, start_heartbeats
 from epdserve.cluster.step_trace import StepTrace
 from epdserve.cluster.worker_images import ConsumerImages, ImageOptions
-from epdserve.config import EngineArgs
+from epdserve.config import EngineArgs, resolve_device_name
 from epdserve.engine.engine import LLMEngine, RequestOutput
 from epdserve.errors import EpdserveError, InvalidRequestError
 from epdserve.sampling import SamplingParams
@@ -98,6 +98,12 @@ class Worker:
             torch.set_num_threads(len(opts.cores))
         self.pool: SharedKVPool | None = None
         self.receiver: TcpKVReceiver | None = None
+        if opts.kv_transport == "shm" and resolve_device_name(engine_args.device) != "cpu":
+            # Shared-memory pages are host memory; a decode worker's pages on an accelerator
+            # are reached over tcp (the endpoint it registers says which).
+            if opts.role == "decode":
+                log.info("KV pages on %s: prefill workers write them over tcp", engine_args.device)
+            opts = self.opts = replace(opts, kv_transport="tcp")
         allocator = self._shm_allocator if opts.role == "decode" and opts.kv_transport == "shm" else None
         self.engine = LLMEngine(engine_args, kv_cache_allocator=allocator)
         self._step_trace = (StepTrace(opts.step_trace_dir, opts.worker_id, opts.role, torch.get_num_threads())

@@ -17,7 +17,7 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 
 import msgspec
@@ -151,20 +151,24 @@ class Router:
         self.sock.close()
         self.ctx.term()
 
-    async def wait_for_workers(self, roles: dict[str, int], timeout_s: float) -> bool:
+    async def wait_for_workers(
+        self, roles: dict[str, int], timeout_s: float, alive: Callable[[], bool] = lambda: True
+    ) -> bool:
+        """True once ``roles`` have registered; False at the deadline, or as soon as
+        ``alive()`` says a worker process has exited (checked every half second)."""
         deadline = time.monotonic() + timeout_s
         while True:
             counts = self.registry.count_ready()
             if all(counts.get(r, 0) >= k for r, k in roles.items()):
                 return True
             remaining = deadline - time.monotonic()
-            if remaining <= 0:
+            if remaining <= 0 or not alive():
                 return False
             self._registered.clear()
             try:
-                await asyncio.wait_for(self._registered.wait(), remaining)
+                await asyncio.wait_for(self._registered.wait(), min(remaining, 0.5))
             except asyncio.TimeoutError:
-                return False
+                continue
 
     def watch_process(self, worker_id: str, pid: int) -> None:
         """Local worker: learn of its exit at once (pidfd), not only by missed heartbeats."""

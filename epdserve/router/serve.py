@@ -135,7 +135,10 @@ async def serve(ns: argparse.Namespace) -> int:
     from epdserve.router.core import Router, RouterConfig
     from epdserve.router.images import ImageLimits
 
+    from epdserve.config import resolve_device_name
+
     roles = plan_workers(ns)
+    resolve_device_name(ns.device)  # a bad --device fails here, before any worker starts
     if ns.worker_log_dir:
         os.makedirs(ns.worker_log_dir, exist_ok=True)
     info = load_model_info(ns.model)
@@ -172,10 +175,14 @@ async def serve(ns: argparse.Namespace) -> int:
         router.watch_process(worker_id, worker.pid)
     try:
         need = {role: roles.count(role) for role in set(roles)}
-        if not await router.wait_for_workers(need, ns.startup_timeout):
+        if not await router.wait_for_workers(need, ns.startup_timeout,
+                                             lambda: all(w.process.poll() is None for w in workers)):
             dead = [w.worker_id for w in workers if w.process.poll() is not None]
-            detail = f"; exited: {', '.join(dead)}" if dead else ""
-            print(f"epdserve: error: workers did not register within {ns.startup_timeout:g} s{detail}", file=sys.stderr)
+            if dead:
+                logs = f" (logs in {ns.worker_log_dir})" if ns.worker_log_dir else ""
+                print(f"epdserve: error: workers exited during start-up: {', '.join(dead)}{logs}", file=sys.stderr)
+            else:
+                print(f"epdserve: error: workers did not register within {ns.startup_timeout:g} s", file=sys.stderr)
             return 2
         app = create_app(router, served, ns.api_key)
         # The listening socket exists before uvicorn runs: its port is known, and connections

@@ -114,6 +114,7 @@ class KVPusher:
         layerwise: bool = True,
     ) -> None:
         self.kv_caches = kv_caches
+        self.device = kv_caches[0].device
         self.layer_to_group = layer_to_group
         self.block_size = block_size
         self.layerwise = layerwise
@@ -181,7 +182,7 @@ class KVPusher:
                 item.start = 0  # bulk: the whole prompt after its last chunk
             positions = range(item.start, item.end)
             item.src_slots = [
-                torch.tensor([t[p // bs] * bs + p % bs for p in positions], dtype=torch.long)
+                torch.tensor([t[p // bs] * bs + p % bs for p in positions], dtype=torch.long, device=self.device)
                 for t in item.src_tables
             ]
             item.dst_slots = [
@@ -217,7 +218,9 @@ class KVPusher:
             rid = item.request_id
             start = time.time()
             self._started.setdefault(rid, start)
-            kv = flat.index_select(1, item.src_slots[group])
+            # Links write host memory (a shared pool, a socket): pages on an accelerator are
+            # copied out here.
+            kv = flat.index_select(1, item.src_slots[group]).cpu()
             link.write(rid, layer, kv, item.dst_slots[group])
             self._blocking[rid] = self._blocking.get(rid, 0.0) + time.time() - start
             self._bytes[rid] = self._bytes.get(rid, 0) + kv.numel() * kv.element_size()

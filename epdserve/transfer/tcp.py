@@ -125,7 +125,7 @@ class TcpKVReceiver(FrameListener):
                 cache = self.kv_caches[frame.layer]
                 kv = torch.frombuffer(payload, dtype=cache.dtype).view(2, frame.num_tokens, *cache.shape[3:])
                 flat = cache.view(2, -1, *cache.shape[3:])
-                flat.index_copy_(1, torch.from_numpy(slots), kv)
+                flat.index_copy_(1, torch.from_numpy(slots).to(flat.device), kv.to(flat.device))
 
 
 class TcpKVSender:
