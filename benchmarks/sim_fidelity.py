@@ -82,10 +82,11 @@ class Scale:
     slo_ttft_ms: float
     slo_tpot_ms: float
     profile_quick: bool
+    cycle_kv_pool: bool  # warm up until every worker's KV pool has been allocated once
 
 
-FULL = Scale(160, 16, 60, 256, 96, 0.25, (0.5, 1.0, 1.5), 1000.0, 80.0, False)
-QUICK = Scale(10, 4, 24, 64, 8, 0.25, (0.5, 1.0), 1000.0, 80.0, True)
+FULL = Scale(160, 16, 60, 256, 96, 0.25, (0.5, 1.0, 1.5), 1000.0, 80.0, False, True)
+QUICK = Scale(10, 4, 24, 64, 8, 0.25, (0.5, 1.0), 1000.0, 80.0, True, False)
 
 
 def epdserve(*args: str) -> list[str]:
@@ -212,6 +213,21 @@ def wait_for_idle(pids: list[int], max_wait_s: float) -> float:
         print(f"other work uses {100 * other.value:.0f} % of the CPUs; waiting", flush=True)
 
 
+def pool_cycling_prompts(profile: Path, topology: str, scale: Scale) -> int:
+    """Requests that allocate every block of every worker's KV pool at least once (requests
+    spread evenly over the workers; each takes its prompt's and output's blocks)."""
+    data = json.loads(profile.read_text())
+    block_size = data["block_size"]
+    counts = {part.split("=")[0]: int(part.split("=")[1]) for part in topology.split(",")}
+    blocks_per_request = -(-(scale.input_len + scale.output_len) // block_size)
+    prefill_blocks = -(-scale.input_len // block_size)
+    need = 0
+    for role, count in counts.items():
+        per_request = prefill_blocks if role == "prefill" else blocks_per_request
+        need = max(need, count * -(-data["roles"][role]["num_kv_blocks"] // per_request))
+    return need
+
+
 def run_topology(topology: str, profile: Path, capacities: dict[str, float], scale: Scale, out_dir: Path,
                  log: list[str], max_wait_idle_s: float, calibrate: bool) -> list[dict]:
     """Serve the topology, run its load levels, simulate each on the same arrivals.
@@ -233,10 +249,16 @@ def run_topology(topology: str, profile: Path, capacities: dict[str, float], sca
     pids = [server.process.pid, *(w["pid"] for w in list_workers(server))]
     try:
         # Warm-up (not scored): first-use costs (kernels, page faults on the KV pool) are not
-        # in the profile. Every level then has prompts of its own seed: with one seed the
-        # later levels would find the earlier levels' prompts in the prefix cache.
-        bench_serve(server.url, capacity, scale.num_warmup_prompts, WARMUP_SEED, scale, out_dir / f"warmup_{name}.json",
-                    log)
+        # in the profile, and a fresh pool hands out each request's pages in one contiguous
+        # run, on which decode steps run faster than over the scattered pages of a pool whose
+        # free list requests have churned (benchmarks/scattered_pages.py). The warm-up cycles
+        # every worker's pool once, so calibration and levels all see a churned pool. Every
+        # level then has prompts of its own seed: with one seed the later levels would find
+        # the earlier levels' prompts in the prefix cache.
+        num_warmup = scale.num_warmup_prompts
+        if scale.cycle_kv_pool:
+            num_warmup = max(num_warmup, pool_cycling_prompts(profile, topology, scale))
+        bench_serve(server.url, capacity, num_warmup, WARMUP_SEED, scale, out_dir / f"warmup_{name}.json", log)
         sim_profile = profile
         if calibrate:
             for k, load in enumerate(CALIBRATION_LOADS):
@@ -316,8 +338,9 @@ def build_report(cells: list[dict], capacities: dict[str, float], scale: Scale, 
         "",
         (f"Random workload: {scale.num_prompts} requests per level, {scale.input_len} prompt tokens and "
          f"{scale.output_len} output tokens (±{100 * scale.range_ratio:.0f} %), Poisson arrivals, seed 1, 2, 3 "
-         f"for the levels, after {scale.num_warmup_prompts} unscored warm-up requests per server. "
-         f"SLO: TTFT ≤ {scale.slo_ttft_ms:g} ms and TPOT ≤ {scale.slo_tpot_ms:g} ms. Loads are multiples of the "
+         f"for the levels, after {scale.num_warmup_prompts} unscored warm-up requests per server"
+         + (" or as many as cycle every worker's KV pool once (`warmup_*.json`). " if scale.cycle_kv_pool else ". ")
+         + f"SLO: TTFT ≤ {scale.slo_ttft_ms:g} ms and TPOT ≤ {scale.slo_tpot_ms:g} ms. Loads are multiples of the "
          f"capacity the simulator estimates from the {'calibrated' if calibrated else 'offline'} profile (highest "
          "rate with ≥ 90 % SLO attainment): " + ", ".join(f"{t}: {r:g} req/s" for t, r in capacities.items())
          + "; from the offline profile: " + ", ".join(f"{t}: {r:g} req/s" for t, r in offline_capacities.items())
