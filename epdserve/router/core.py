@@ -250,7 +250,7 @@ class Router:
         path = Path(handle.request_id, handle, None, prompt, params, "colocated", phase="running",
                     colocated=worker.worker_id)
         refs = self.encode.place(path, worker, images) if images else []
-        self._add_path(path, worker)
+        self._add_path(path, worker, len(prompt))
         self._post(worker.worker_id, m.Submit(path.path_id, prompt, sampling_to_dict(params), images=refs,
                                               mm_pipelined=self.config.encode_pipelined))
         self.encode.dispatch(path)
@@ -286,8 +286,7 @@ class Router:
                 raise
             path.prefill = prefill.worker_id
             path.phase = "prefilling"
-            prefill.request_ids.add(path.path_id)
-            prefill.num_submitted += 1
+            prefill.take(path.path_id, len(prompt))
             self._post(prefill.worker_id, m.Submit(
                 path.path_id, prompt, sampling_to_dict(path.params), kv_target=path.decode or "",
                 kv_target_block_ids=path.reserved.result() if path.reserved else [],
@@ -303,7 +302,7 @@ class Router:
         path.phase = "reserving"
         path.decode = decode.worker_id
         path.reserved = asyncio.get_running_loop().create_future()
-        self._add_path(path, decode)
+        self._add_path(path, decode, 0)
         self._post(decode.worker_id, m.Reserve(path.path_id, len(path.prompt_token_ids)))
         try:
             await asyncio.wait_for(asyncio.shield(path.reserved), self.config.reserve_timeout_s)
@@ -313,11 +312,10 @@ class Router:
             self.metrics.rejected.labels("no_kv_blocks").inc()
             raise Overloaded(f"decode KV cache is full: {e}", 503) from None
 
-    def _add_path(self, path: Path, worker: WorkerInfo) -> None:
+    def _add_path(self, path: Path, worker: WorkerInfo, num_prefill_tokens: int) -> None:
         self.paths[path.path_id] = path
         path.handle.paths.append(path)
-        worker.request_ids.add(path.path_id)
-        worker.num_submitted += 1
+        worker.take(path.path_id, num_prefill_tokens)
 
     # -- abort and clean-up --------------------------------------------------------------
     def abort(self, request_id: str) -> None:
@@ -366,7 +364,7 @@ class Router:
             return
         worker = self.registry.get(worker_id)
         if worker is not None:
-            worker.request_ids.discard(path.path_id)
+            worker.drop(path.path_id)
         if path.mm is not None and worker_id == path.mm.consumer:
             self.encode.on_consumer_done(path)
         self.forget_if_idle(path)
@@ -477,7 +475,10 @@ class Router:
 
     def _on_outputs(self, msg: m.Outputs) -> None:
         now = time.time()
+        worker = self.registry.get(msg.worker_id)
         for out in msg.outputs:
+            if worker is not None:
+                worker.prefilled(out.request_id)
             path = self.paths.get(out.request_id)
             if path is None or path.done:
                 continue
@@ -628,7 +629,7 @@ class Router:
                 self._post(prefill.worker_id, m.PeerDown(worker_id))
         for path_id in list(worker.request_ids):
             path = self.paths.get(path_id)
-            worker.request_ids.discard(path_id)
+            worker.drop(path_id)
             if path is None or path.done:
                 continue
             if path.mode == "pd" and worker.role == "prefill":

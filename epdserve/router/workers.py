@@ -25,6 +25,25 @@ class WorkerInfo:
     last_seen: float = field(default_factory=time.monotonic)  # seconds, monotonic
     request_ids: set[str] = field(default_factory=set)  # router requests touching this worker
     num_submitted: int = 0  # requests sent since the last heartbeat (load the report lags)
+    # Requests in hand whose prompt this worker has not finished prefilling: prompt tokens.
+    prefill_tokens: dict[str, int] = field(default_factory=dict)
+    num_prefill_tokens: int = 0  # their sum
+
+    def take(self, request_id: str, num_prompt_tokens: int = 0) -> None:
+        """A request sent to this worker; ``num_prompt_tokens`` > 0 when it prefills here."""
+        self.request_ids.add(request_id)
+        self.num_submitted += 1
+        if num_prompt_tokens > 0:
+            self.prefill_tokens[request_id] = num_prompt_tokens
+            self.num_prefill_tokens += num_prompt_tokens
+
+    def prefilled(self, request_id: str) -> None:
+        """Its first token came back: the prompt is no longer work ahead of new requests."""
+        self.num_prefill_tokens -= self.prefill_tokens.pop(request_id, 0)
+
+    def drop(self, request_id: str) -> None:
+        self.request_ids.discard(request_id)
+        self.prefilled(request_id)
 
     @property
     def is_ready(self) -> bool:
@@ -73,8 +92,16 @@ class WorkerRegistry:
         return counts
 
     def pick(self, role: str) -> WorkerInfo | None:
-        """The ready worker of ``role`` with the fewest requests in hand (ties: most free blocks)."""
+        """The ready worker of ``role`` with the fewest prompt tokens still to prefill, then the
+        fewest requests in hand, then the most free blocks.
+
+        A new request's first token waits for the prefill work queued ahead of it, so that
+        comes first: by request count alone, a worker mid-way through a long prefill and one
+        that is only decoding look alike, and two requests arriving close together could
+        both queue behind the prefill. All three are the router's own exact counts except
+        free blocks, which come with the (lagging) heartbeats.
+        """
         candidates = self.ready(role)
         if not candidates:
             return None
-        return min(candidates, key=lambda w: (len(w.request_ids), -w.load.num_free_blocks))
+        return min(candidates, key=lambda w: (w.num_prefill_tokens, len(w.request_ids), -w.load.num_free_blocks))

@@ -212,7 +212,7 @@ class ClusterSim:
         else:
             target = flight.colocated = first
             request = Request(rid, prompt, self._sampling(num_output), arrival_time=now)
-        self._take(target, rid)
+        self._take(target, rid, len(prompt))
         request.record(EventType.ARRIVED, now)
         if self.recorder.is_detail(index):
             flight.token_times = []
@@ -224,9 +224,8 @@ class ClusterSim:
         self._kick(target)
 
     @staticmethod
-    def _take(inst: StepInstance | EncodeInstance, request_id: str) -> None:
-        inst.worker.request_ids.add(request_id)
-        inst.worker.num_submitted += 1
+    def _take(inst: StepInstance | EncodeInstance, request_id: str, num_prefill_tokens: int = 0) -> None:
+        inst.worker.take(request_id, num_prefill_tokens)
 
     def _submit_images(self, flight: Flight, request: Request) -> None:
         w = self.workload
@@ -349,6 +348,7 @@ class ClusterSim:
                     flight = flights[request.request_id]
                     if flight.first_token is None:
                         flight.first_token = flight.prefill_end = now
+                        inst.worker.prefilled(request.request_id)
                         if self.watch is not None:
                             self.watch.on_first_token(flight.index, now - flight.arrival)
                         request.record(EventType.PREFILL_END, now)
@@ -373,7 +373,7 @@ class ClusterSim:
         rid = flight.request_id
         for inst in (flight.colocated, flight.decode):
             if inst is not None:
-                inst.worker.request_ids.discard(rid)
+                inst.worker.drop(rid)
         del self.flights[rid]
         self.detail_ids.discard(rid)
 
@@ -382,7 +382,7 @@ class ClusterSim:
         prefill, decode = flight.prefill, flight.decode
         self._sync(decode)
         prefill.scheduler.release_transfer(rid)
-        prefill.worker.request_ids.discard(rid)
+        prefill.worker.drop(rid)
         if flight.num_output == 1:
             decode.scheduler.release_reservation(rid)
         else:
@@ -412,7 +412,7 @@ class ClusterSim:
             flight.encoders[enc] -= 1
             if flight.encoders[enc] == 0:
                 del flight.encoders[enc]
-                enc.worker.request_ids.discard(flight.request_id)
+                enc.worker.drop(flight.request_id)
         enc.batch = []
         enc.is_busy = False
         self._kick_encoder(enc)
