@@ -103,6 +103,18 @@ def test_pd_first_token_at_prefill_end_and_decode_after_layerwise_transfer():
     assert prefill.link.num_bytes == 100 * 1000
 
 
+def test_pd_reservation_waits_for_the_decode_step_in_flight():
+    # A worker reads control messages between steps. r0 (100 tokens) is prefilled by 0.11 s
+    # and decodes from then on in 12 ms steps (its KV lands at once on a 1 TB/s link). r1
+    # arrives at 0.2 s, mid-step: the decode instance answers its reservation when that step
+    # ends (0.11 + 8 x 0.012 = 0.206 s), and only then does r1's 20 ms prefill start.
+    _, rec = run(profile_dict(), "prefill=1,decode=1", fixed_workload([0.0, 0.2], [100, 10], [50, 2]),
+                 link_bytes_per_s=1e12)
+    assert rec.ttft[0] == pytest.approx(0.11)
+    assert rec.ttft[1] == pytest.approx(0.11 + 8 * 0.012 + 0.02 - 0.2, abs=1e-6)
+    assert rec.components["queue_ms"][1] == pytest.approx(6.0, abs=1e-3)
+
+
 def test_layerwise_closed_form_matches_layer_by_layer_sends():
     for free_at, sizes, layers, step_s in [(0.0, [1000, 3000], 4, 0.1), (0.5, [500], 3, 0.2),
                                            (0.0, [10**6, 10], 30, 0.05), (0.0, [7], 1, 0.01)]:

@@ -3,7 +3,7 @@
 Events sit in one heap as ``(time_s, kind, order, seq, payload)``. At equal times lower kinds
 go first, so work that arrives at an instant is visible to a step that ends at that instant::
 
-    ARRIVAL < EMBED_DONE < TRANSFER_DONE < ENCODE_END < STEP_END < HEARTBEAT
+    ARRIVAL < EMBED_DONE < TRANSFER_DONE < ENCODE_END < STEP_END < RESERVED < HEARTBEAT
 
 and step ends at one instant go in instance order (``order``), the rest in push order.
 
@@ -38,7 +38,7 @@ from epdserve.sim.instance import EncodeInstance, Link, StepInstance, role_summa
 from epdserve.sim.results import Flight, MissWatch, Recorder
 from epdserve.sim.workload import SimWorkload
 
-ARRIVAL, EMBED_DONE, TRANSFER_DONE, ENCODE_END, STEP_END, HEARTBEAT = range(6)
+ARRIVAL, EMBED_DONE, TRANSFER_DONE, ENCODE_END, STEP_END, RESERVED, HEARTBEAT = range(7)
 DUMMY_TOKEN_ID = 0
 
 
@@ -116,6 +116,7 @@ class ClusterSim:
         heapq.heappush(self.heap, (when, kind, order, self.seq, payload))
 
     def _push_step_end(self, inst: StepInstance, when: float) -> None:
+        inst.busy_until = when
         self._push(when, STEP_END, (inst, inst.epoch), inst.index)
 
     def run(self) -> Recorder:
@@ -146,6 +147,8 @@ class ClusterSim:
                 self._on_encode_end(payload)
             elif kind == EMBED_DONE:
                 self._on_embed_done(*payload)
+            elif kind == RESERVED:
+                self._submit(*payload)
             else:
                 self._on_heartbeat(payload)
         self.stats = SimStats(perf_counter() - started, num_events, self.now)
@@ -200,24 +203,40 @@ class ClusterSim:
             prompt = [DUMMY_TOKEN_ID] * self.num_image_tokens + prompt
         flight = Flight(index, now, num_prompt, num_output, prompt)
         self._sync(first)
+        blocks = None
         if self.is_split:
             blocks = first.scheduler.reserve(rid, num_prompt)
             if blocks is None:
                 return self._reject(index, num_prompt, reservation_refused(f"no room for {num_prompt + 1} tokens"))
-            target = self._pick("prefill")
-            flight.decode, flight.prefill = first, target
-            request = Request(rid, prompt, self._prefill_params, arrival_time=now, hold_kv_for_transfer=True,
-                              kv_target=first.worker.worker_id, kv_target_block_ids=blocks)
+            flight.decode = first
             self._take(first, rid)
         else:
-            target = flight.colocated = first
-            request = Request(rid, prompt, self._sampling(num_output), arrival_time=now)
-        self._take(target, rid, len(prompt))
-        request.record(EventType.ARRIVED, now)
+            flight.colocated = first
         if self.recorder.is_detail(index):
             flight.token_times = []
             self.detail_ids.add(rid)
         self.flights[rid] = flight
+        if self.is_split and first.is_busy:
+            # A worker reads control messages between steps: the decode worker answers the
+            # reservation when its step in flight ends, and only then does the router submit
+            # the prompt to a prefill worker.
+            self._push(first.busy_until, RESERVED, (flight, blocks))
+        else:
+            self._submit(flight, blocks)
+
+    def _submit(self, flight: Flight, blocks: list[list[int]] | None) -> None:
+        """The router submits the prompt: to a prefill instance (after the decode instance
+        reserved ``blocks`` for it), or to the colocated instance picked at arrival."""
+        rid, prompt, arrival = flight.request_id, flight.prompt, flight.arrival
+        if self.is_split:
+            target = flight.prefill = self._pick("prefill")
+            request = Request(rid, prompt, self._prefill_params, arrival_time=arrival, hold_kv_for_transfer=True,
+                              kv_target=flight.decode.worker.worker_id, kv_target_block_ids=blocks)
+        else:
+            target = flight.colocated
+            request = Request(rid, prompt, self._sampling(flight.num_output), arrival_time=arrival)
+        self._take(target, rid, len(prompt))
+        request.record(EventType.ARRIVED, arrival)
         if self.num_image_tokens:
             self._submit_images(flight, request)
         target.scheduler.add_request(request)
