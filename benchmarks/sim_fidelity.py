@@ -360,7 +360,9 @@ def build_report(cells: list[dict], capacities: dict[str, float], scale: Scale, 
              "slowdown while it is mid-step (simulated with `--instances-per-host 2`):"),
             "",
             *[f"- {topology}: " + ", ".join(
-                f"{role} × {cal['alone']:.3f}, +{100 * cal['neighbour_slowdown']:.1f} % next to a busy worker "
+                f"{role} × {cal['alone']:.3f}"
+                + (f" (prefill terms × {cal['alone_prefill']:.3f})" if cal.get("alone_prefill") else "")
+                + f", +{100 * cal['neighbour_slowdown']:.1f} % next to a busy worker "
                 f"({cal['num_steps']} steps; served / predicted overall {cal['factor']:.3f})"
                 for role, cal in factors.items())
               for topology, factors in calibration_factors(cells).items()],

@@ -99,3 +99,21 @@ def test_cli_writes_the_profile_and_bad_input_exits_2(tmp_path, capsys):
                  "--out", str(out)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("epdserve: error:") and len(err.strip().splitlines()) == 1
+
+
+def test_colocated_prefill_and_decode_terms_scaled_apart(tmp_path):
+    """Colocated steps mix prefill and decode: where the traced steps include both kinds, the
+    prefill terms get a factor of their own (here 1.3, the base and decode terms 0.9)."""
+    cost = CostModel.from_dict(profile_dict())
+    step = cost.role("colocated").step
+    shapes = [StepShape(0, 0, 4, 4 * 300)] * 30 + [StepShape(200, 200 * 201 // 2, 3, 900)] * 12
+    rows = []
+    for shape in shapes:
+        prefill = step.per_prefill_token_s * shape.num_prefill_tokens + step.per_prefill_attn_pair_s * shape.prefill_attn_pairs
+        rows.append((shape, 1.3 * prefill + 0.9 * (step.time_s(shape) - prefill)))
+    write_trace(tmp_path, "colocated-0", "colocated", rows)
+    calibrated, result = calibrate(cost, tmp_path)
+    assert result["colocated"].alone == pytest.approx(0.9, rel=1e-6)
+    assert result["colocated"].alone_prefill == pytest.approx(1.3, rel=1e-6)
+    for shape, wall in rows:
+        assert calibrated.role("colocated").step.time_s(shape) == pytest.approx(wall, rel=1e-6)

@@ -37,6 +37,9 @@ class RoleCalibration:
     alone: float  # served / predicted for a step while no other traced worker is mid-step
     neighbour_slowdown: float  # relative extra time while every other traced worker is mid-step
     cpu_share: float | None = None  # one-thread workers: their CPU time / served time (None: not traced)
+    # ``alone`` for the prefill terms where the role's steps tell them apart (colocated steps
+    # mix prefill and decode); None: one factor scales every term.
+    alone_prefill: float | None = None
 
     @property
     def factor(self) -> float:
@@ -44,6 +47,7 @@ class RoleCalibration:
 
     def to_dict(self) -> dict:
         return {"factor": round(self.factor, 4), "alone": round(self.alone, 4),
+                "alone_prefill": None if self.alone_prefill is None else round(self.alone_prefill, 4),
                 "neighbour_slowdown": round(self.neighbour_slowdown, 4), "num_steps": self.num_steps,
                 "cpu_share": None if self.cpu_share is None else round(self.cpu_share, 4),
                 "served_s": round(self.served_s, 3), "predicted_s": round(self.predicted_s, 3)}
@@ -119,6 +123,39 @@ def fit_role(walls: np.ndarray, predicted: np.ndarray, overlap: np.ndarray) -> t
     return float(alone), float(extra / alone)
 
 
+SLOWDOWN_GRID = np.linspace(0.0, 1.0, 401)
+
+
+def step_parts(step: StepCost, shapes: list[StepShape]) -> tuple[np.ndarray, np.ndarray]:
+    """Each step's predicted time split into its prefill terms and the rest (base, decode)."""
+    prefill = np.array([step.per_prefill_token_s * s.num_prefill_tokens + step.per_prefill_attn_pair_s
+                        * s.prefill_attn_pairs for s in shapes])
+    rest = np.array([step.time_s(s) for s in shapes]) - prefill
+    return prefill, rest
+
+
+def fit_role_parts(walls: np.ndarray, prefill: np.ndarray, rest: np.ndarray,
+                   overlap: np.ndarray) -> tuple[float, float, float] | None:
+    """``wall ~ (kp x prefill + kd x rest) x (1 + slowdown x overlap)``, each step weighted by
+    its own time (relative residuals: a 20 ms decode step counts as much as a 300 ms prefill);
+    the slowdown by a grid search, kp and kd by least squares for each. Returns (kd, kp,
+    slowdown), or None where the two parts cannot be told apart (fewer than MIN_STEPS steps
+    without prefill, or with prefill: a prefill worker's steps are all prefill plus the same
+    base) or a factor comes out <= 0."""
+    if (prefill == 0).sum() < MIN_STEPS or (prefill > 0).sum() < MIN_STEPS:
+        return None
+    grid = SLOWDOWN_GRID if overlap.max() - overlap.min() >= 0.5 else np.zeros(1)
+    best = None
+    for slowdown in grid:
+        scale = (1.0 + slowdown * overlap) / walls
+        x = np.column_stack([prefill * scale, rest * scale])
+        (kp, kd), residual, *_ = np.linalg.lstsq(x, np.ones_like(walls), rcond=None)
+        error = float(residual[0]) if len(residual) else float(np.sum((x @ [kp, kd] - 1.0) ** 2))
+        if kp > 0 and kd > 0 and (best is None or error < best[0]):
+            best = (error, float(kd), float(kp), float(slowdown))
+    return None if best is None else best[1:]
+
+
 def calibrate(cost: CostModel, trace_dir: Path) -> tuple[CostModel, dict[str, RoleCalibration]]:
     """The profile with each traced role's step cost scaled to its steps in service: by the
     served / predicted ratio of a step with no traced neighbour busy, plus a neighbour
@@ -132,29 +169,36 @@ def calibrate(cost: CostModel, trace_dir: Path) -> tuple[CostModel, dict[str, Ro
         if trace.role not in STEP_ROLES:
             raise ConfigError(f"{path}: role {trace.role!r} has no step cost to calibrate")
         traces.append(trace)
-    by_role: dict[str, list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = {}
+    by_role: dict[str, list[tuple[np.ndarray, ...]]] = {}
     cpu: dict[str, list[tuple[float, float]]] = {}  # one-thread workers: (CPU s, served s)
     for trace in traces:
         if trace.cpus is not None and trace.num_threads == 1:
             cpu.setdefault(trace.role, []).append((float(trace.cpus.sum()), float(trace.walls.sum())))
-        step_cost = cost.role(trace.role).step
-        predicted = np.array([step_cost.time_s(shape) for shape in trace.shapes])
+        prefill, rest = step_parts(cost.role(trace.role).step, trace.shapes)
         overlap = busy_overlap(trace, [t for t in traces if t is not trace])
-        by_role.setdefault(trace.role, []).append((trace.walls, predicted, overlap))
+        by_role.setdefault(trace.role, []).append((trace.walls, prefill, rest, overlap))
     result = {}
     for role, parts in by_role.items():
-        walls, predicted, overlap = (np.concatenate(p) for p in zip(*parts))
+        walls, prefill, rest, overlap = (np.concatenate(p) for p in zip(*parts))
         if len(walls) < MIN_STEPS:
             raise ConfigError(f"only {len(walls)} {role} steps traced in {trace_dir}; "
                               f"calibrate needs at least {MIN_STEPS}")
-        alone, slowdown = fit_role(walls, predicted, overlap)
+        predicted = prefill + rest
+        split = fit_role_parts(walls, prefill, rest, overlap)
+        if split is None:
+            alone, slowdown = fit_role(walls, predicted, overlap)
+            alone_prefill = None
+        else:
+            alone, alone_prefill, slowdown = split
         cpu_share = sum(c for c, _ in cpu[role]) / sum(w for _, w in cpu[role]) if role in cpu else None
         result[role] = RoleCalibration(role, len(walls), float(walls.sum()), float(predicted.sum()), alone, slowdown,
-                                       cpu_share)
+                                       cpu_share, alone_prefill)
     roles = dict(cost.roles)
     for role, cal in result.items():
         old = roles[role]
-        scaled = StepCost(**{k: v * cal.alone for k, v in old.step.to_dict().items()})
+        prefill_factor = cal.alone if cal.alone_prefill is None else cal.alone_prefill
+        scaled = StepCost(**{k: v * (prefill_factor if k.startswith("per_prefill") else cal.alone)
+                             for k, v in old.step.to_dict().items()})
         roles[role] = replace(old, step=scaled, neighbour_slowdown=cal.neighbour_slowdown)
     raw = dict(cost.raw)
     raw["calibration"] = {"step_trace_dir": str(trace_dir), "roles": {r: c.to_dict() for r, c in result.items()}}
