@@ -59,3 +59,25 @@ def test_simulated_request_goes_around_a_prefill():
     # r0 decodes alone in 12 ms steps from 0.51 s; the 12th ends at 0.654 s, after r2's
     # arrival, and the next step (10 ms + 10 tokens + one decode sequence) gives r2 its token.
     assert rec.ttft[2] == pytest.approx(0.51 + 12 * 0.012 + 0.01 + 0.01 + 0.002 - 0.65)
+
+
+def test_least_requests_policy_and_bad_policy():
+    registry = WorkerRegistry("least-requests")
+    a, b = worker("a"), worker("b")
+    registry.add(a)
+    registry.add(b)
+    a.take("long", num_prompt_tokens=1000)
+    b.take("d1", 50)
+    b.take("d2", 50)
+    assert registry.pick("colocated") is a  # requests in hand only
+    with pytest.raises(ValueError, match="routing must be one of"):
+        WorkerRegistry("random")
+
+
+def test_simulated_least_requests_queues_behind_the_prefill():
+    """The run of test_simulated_request_goes_around_a_prefill with ``least-requests``: r2 goes
+    to the instance with more free blocks, the one prefilling r1 (0.6 .. 0.91 s), and its
+    prefill follows: a step of 10 ms + 10 tokens + r1's first decode."""
+    _, rec = run(profile_dict(), "colocated=2", fixed_workload([0.0, 0.6, 0.65], [500, 300, 10], [200, 20, 2]),
+                 routing="least-requests")
+    assert rec.ttft[2] == pytest.approx(0.91 + 0.01 + 0.01 + 0.002 - 0.65)

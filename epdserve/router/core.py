@@ -30,7 +30,7 @@ from epdserve.errors import EpdserveError
 from epdserve.router.encode_stage import EncodeStage, PathImages
 from epdserve.router.images import ImageInput
 from epdserve.router.metrics import RouterMetrics
-from epdserve.router.workers import WorkerInfo, WorkerRegistry
+from epdserve.router.workers import ROUTING_POLICIES, WorkerInfo, WorkerRegistry
 from epdserve.sampling import SamplingParams
 
 log = logging.getLogger("epdserve.router")
@@ -54,10 +54,13 @@ class RouterConfig:
     max_pending: int = 512  # requests in the router at once; beyond: 429
     max_waiting_per_worker: int = 256  # queued at one worker; beyond: 429
     encode_pipelined: bool = True  # prefill may start before all of a request's images are encoded
+    routing: str = "least-prefill"  # WorkerRegistry.pick's policy
 
     def __post_init__(self) -> None:
         if self.transfer_policy not in ("fail", "recompute"):
             raise EpdserveError(f"transfer policy must be fail or recompute, got {self.transfer_policy!r}")
+        if self.routing not in ROUTING_POLICIES:
+            raise EpdserveError(f"routing must be one of {', '.join(ROUTING_POLICIES)}, got {self.routing!r}")
 
 
 @dataclass
@@ -115,7 +118,7 @@ class Path:
 class Router:
     def __init__(self, config: RouterConfig | None = None, host: str = "127.0.0.1", port: int = 0) -> None:
         self.config = config or RouterConfig()
-        self.registry = WorkerRegistry()
+        self.registry = WorkerRegistry(self.config.routing)
         self.metrics = RouterMetrics()
         self.ctx = zmq.asyncio.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)

@@ -31,6 +31,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--transfer-timeout", type=float, default=30.0, help="seconds for a KV transfer to land")
     g.add_argument("--transfer-policy", choices=("fail", "recompute"), default="fail")
     g.add_argument("--max-pending", type=int, default=512, help="requests in the server at once (then 429)")
+    g.add_argument("--routing", choices=("least-prefill", "least-requests"), default="least-prefill",
+                   help="pick the worker with the fewest prompt tokens still to prefill (then fewest requests), "
+                        "or by requests in hand alone")
     g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
     g.add_argument("--served-model-name", action="append", default=None, help="model names clients may use")
     g.add_argument("--startup-timeout", type=float, default=300.0)
@@ -129,13 +132,12 @@ async def serve(ns: argparse.Namespace) -> int:
     import uvicorn
 
     from epdserve.cluster.local import LocalWorker, assign_cores, spawn_worker, stop_workers
+    from epdserve.config import resolve_device_name
     from epdserve.models.loader import load_model_info
     from epdserve.models.multimodal import RANDOM_VISION_NOTICE, load_multimodal_spec
     from epdserve.router.api import ServedModel, create_app
     from epdserve.router.core import Router, RouterConfig
     from epdserve.router.images import ImageLimits
-
-    from epdserve.config import resolve_device_name
 
     roles = plan_workers(ns)
     resolve_device_name(ns.device)  # a bad --device fails here, before any worker starts
@@ -154,7 +156,8 @@ async def serve(ns: argparse.Namespace) -> int:
                          allowed_media_domains=tuple(ns.allowed_media_domains))
     served = ServedModel(names, info.tokenizer, max_model_len, info.spec.vocab_size, mm_spec, limits)
     config = RouterConfig(transfer_timeout_s=ns.transfer_timeout, transfer_policy=ns.transfer_policy,
-                          max_pending=ns.max_pending, encode_pipelined=not ns.no_encode_pipeline)
+                          max_pending=ns.max_pending, encode_pipelined=not ns.no_encode_pipeline,
+                          routing=ns.routing)
     router = Router(config, port=ns.router_port)
     await router.start()
     started = time.monotonic()

@@ -71,9 +71,16 @@ class WorkerInfo:
         }
 
 
+# Routing policies (``epdserve serve --routing``): what ``WorkerRegistry.pick`` minimizes first.
+ROUTING_POLICIES = ("least-prefill", "least-requests")
+
+
 class WorkerRegistry:
-    def __init__(self) -> None:
+    def __init__(self, routing: str = "least-prefill") -> None:
+        if routing not in ROUTING_POLICIES:
+            raise ValueError(f"routing must be one of {', '.join(ROUTING_POLICIES)}, got {routing!r}")
         self.workers: dict[str, WorkerInfo] = {}
+        self.routing = routing
 
     def add(self, info: WorkerInfo) -> None:
         self.workers[info.worker_id] = info
@@ -93,7 +100,8 @@ class WorkerRegistry:
 
     def pick(self, role: str) -> WorkerInfo | None:
         """The ready worker of ``role`` with the fewest prompt tokens still to prefill, then the
-        fewest requests in hand, then the most free blocks.
+        fewest requests in hand, then the most free blocks (``least-prefill``; with
+        ``least-requests`` the first key is left out).
 
         A new request's first token waits for the prefill work queued ahead of it, so that
         comes first: by request count alone, a worker mid-way through a long prefill and one
@@ -104,4 +112,6 @@ class WorkerRegistry:
         candidates = self.ready(role)
         if not candidates:
             return None
+        if self.routing == "least-requests":
+            return min(candidates, key=lambda w: (len(w.request_ids), -w.load.num_free_blocks))
         return min(candidates, key=lambda w: (w.num_prefill_tokens, len(w.request_ids), -w.load.num_free_blocks))

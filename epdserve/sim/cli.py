@@ -40,6 +40,8 @@ def _add_cluster_args(p: argparse.ArgumentParser) -> None:
     c.add_argument("--no-pipeline", action="store_true", help="prefill waits for all of a request's images")
     c.add_argument("--encode-batch-images", type=int, default=8, help="images per encoder batch")
     c.add_argument("--max-pending", type=int, default=None, help="router: requests at once (default: the router's 512)")
+    c.add_argument("--routing", choices=("least-prefill", "least-requests"), default="least-prefill",
+                   help="router: the routing policy (as epdserve serve --routing)")
     c.add_argument("--max-waiting-per-worker", type=int, default=None, help="router: queued per worker (default 256)")
     c.add_argument("--heartbeat-s", type=float, default=0.2, help="load reports reach the router this often")
     c.add_argument("--no-fast-forward", action="store_true", help="step every decode step (slower, same result)")
@@ -152,6 +154,7 @@ def sim_config_kwargs(ns: argparse.Namespace) -> dict:
         "encode_max_batch_images": ns.encode_batch_images,
         "is_fast_forward": not ns.no_fast_forward,
         "instances_per_host": ns.instances_per_host,
+        "routing": ns.routing,
     }
 
 

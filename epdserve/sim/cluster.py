@@ -61,7 +61,7 @@ class ClusterSim:
         lengths = workload.input_lens + workload.output_lens + self.num_image_tokens
         self.max_model_len = config.max_model_len or max(2, int(lengths.max()))
         self.instances: list[StepInstance | EncodeInstance] = []
-        self.registry = WorkerRegistry()
+        self.registry = WorkerRegistry(config.routing)
         self.by_worker_id: dict[str, StepInstance | EncodeInstance] = {}
         for role in topo.roles:
             for i in range(topo.count(role)):
