@@ -77,3 +77,20 @@ def test_sliding_window_beyond_the_window_uses_the_masked_path(monkeypatch) -> N
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
     attention.Attention(2, 2, 32, 32**-0.5, layer_idx=0)._attend(q, k, v, 0)
     assert len(called) == 1
+
+
+def test_scratch_buffers_serve_calls_inside_and_outside_inference_mode():
+    """The reused score buffers are first allocated under inference mode (as in the engine)
+    and then written by a call outside it, and the other way round."""
+    gen = torch.Generator().manual_seed(3)
+    layer = attention.Attention(4, 2, 32, 32**-0.5, layer_idx=0)
+    q, k, v = (torch.randn(150, h, 32, generator=gen) for h in (4, 2, 2))
+    expected = reference(q, k, v, 0, 32**-0.5)
+    attention._scratch_local.__dict__.pop("buffers", None)
+    with torch.inference_mode():
+        inside = layer._attend_blocked(q, k, v, 0)
+    outside = layer._attend_blocked(q, k, v, 0)
+    with torch.inference_mode():
+        again = layer._attend_blocked(q, k, v, 0)
+    for out in (inside, outside, again):
+        torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)

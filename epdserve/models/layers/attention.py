@@ -258,7 +258,10 @@ def _scratch(name: str, numel: int, dtype: torch.dtype, device: torch.device) ->
     key = (name, dtype, device)
     buf = buffers.get(key)
     if buf is None or buf.numel() < numel:
-        buf = buffers[key] = torch.empty(numel, dtype=dtype, device=device)
+        # A normal tensor even when first needed under inference mode: an inference tensor
+        # could not be written in place by a later call made outside it.
+        with torch.inference_mode(False):
+            buf = buffers[key] = torch.empty(numel, dtype=dtype, device=device)
     return buf[:numel]
 
 
