@@ -109,7 +109,7 @@ def test_colocated_prefill_and_decode_terms_scaled_apart(tmp_path):
     shapes = [StepShape(0, 0, 4, 4 * 300)] * 30 + [StepShape(200, 200 * 201 // 2, 3, 900)] * 12
     rows = []
     for shape in shapes:
-        prefill = step.per_prefill_token_s * shape.num_prefill_tokens + step.per_prefill_attn_pair_s * shape.prefill_attn_pairs
+        prefill = step.prefill_s(shape)
         rows.append((shape, 1.3 * prefill + 0.9 * (step.time_s(shape) - prefill)))
     write_trace(tmp_path, "colocated-0", "colocated", rows)
     calibrated, result = calibrate(cost, tmp_path)

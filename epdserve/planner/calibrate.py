@@ -128,8 +128,7 @@ SLOWDOWN_GRID = np.linspace(0.0, 1.0, 401)
 
 def step_parts(step: StepCost, shapes: list[StepShape]) -> tuple[np.ndarray, np.ndarray]:
     """Each step's predicted time split into its prefill terms and the rest (base, decode)."""
-    prefill = np.array([step.per_prefill_token_s * s.num_prefill_tokens + step.per_prefill_attn_pair_s
-                        * s.prefill_attn_pairs for s in shapes])
+    prefill = np.array([step.prefill_s(s) for s in shapes])
     rest = np.array([step.time_s(s) for s in shapes]) - prefill
     return prefill, rest
 
@@ -196,10 +195,8 @@ def calibrate(cost: CostModel, trace_dir: Path) -> tuple[CostModel, dict[str, Ro
     roles = dict(cost.roles)
     for role, cal in result.items():
         old = roles[role]
-        prefill_factor = cal.alone if cal.alone_prefill is None else cal.alone_prefill
-        scaled = StepCost(**{k: v * (prefill_factor if k.startswith("per_prefill") else cal.alone)
-                             for k, v in old.step.to_dict().items()})
-        roles[role] = replace(old, step=scaled, neighbour_slowdown=cal.neighbour_slowdown)
+        roles[role] = replace(old, step=old.step.scaled(cal.alone, cal.alone_prefill),
+                              neighbour_slowdown=cal.neighbour_slowdown)
     raw = dict(cost.raw)
     raw["calibration"] = {"step_trace_dir": str(trace_dir), "roles": {r: c.to_dict() for r, c in result.items()}}
     return replace(cost, roles=roles, raw=raw), result

@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass, field
 
 from epdserve.cluster import messages as m
+from epdserve.errors import ConfigError
 
 
 @dataclass
@@ -78,7 +79,7 @@ ROUTING_POLICIES = ("least-prefill", "least-requests")
 class WorkerRegistry:
     def __init__(self, routing: str = "least-prefill") -> None:
         if routing not in ROUTING_POLICIES:
-            raise ValueError(f"routing must be one of {', '.join(ROUTING_POLICIES)}, got {routing!r}")
+            raise ConfigError(f"routing must be one of {', '.join(ROUTING_POLICIES)}, got {routing!r}")
         self.workers: dict[str, WorkerInfo] = {}
         self.routing = routing
 

@@ -6,7 +6,6 @@ from dataclasses import dataclass, field
 
 from epdserve.errors import ConfigError
 from epdserve.router.admission import DEFAULT_MAX_PENDING, DEFAULT_MAX_WAITING_PER_WORKER
-from epdserve.router.workers import ROUTING_POLICIES
 from epdserve.sim.instance import SHM_BYTES_PER_S
 from epdserve.sim.topology import Topology
 
@@ -28,7 +27,7 @@ class SimConfig:
     # Instances share hosts in creation order (encode, prefill, decode / colocated), this many
     # per host; a role's ``neighbour_slowdown`` applies to the others on its host.
     instances_per_host: int = 1
-    routing: str = "least-prefill"  # the router's policy (WorkerRegistry.pick)
+    routing: str = "least-prefill"  # the router's policy (WorkerRegistry.pick, which checks it)
 
     def __post_init__(self) -> None:
         checks = [
@@ -40,7 +39,6 @@ class SimConfig:
             (self.max_model_len is None or self.max_model_len >= 2, "max_model_len must be >= 2"),
             (self.max_detail_requests >= 0, "max_detail_requests must be >= 0"),
             (self.instances_per_host >= 1, f"instances per host must be >= 1, got {self.instances_per_host}"),
-            (self.routing in ROUTING_POLICIES, f"routing must be one of {', '.join(ROUTING_POLICIES)}"),
         ]
         for ok, message in checks:
             if not ok:

@@ -106,6 +106,8 @@ class StepCost:
             _check_coefficient(f.name, getattr(self, f.name))
 
     def time_s(self, shape: StepShape) -> float:
+        # The prefill terms are written out rather than calling prefill_s: this runs for every
+        # simulated step.
         return (
             self.base_s
             + self.per_prefill_token_s * shape.num_prefill_tokens
@@ -113,6 +115,18 @@ class StepCost:
             + self.per_decode_seq_s * shape.num_decode_seqs
             + self.per_decode_context_token_s * shape.decode_context_tokens
         )
+
+    def prefill_s(self, shape: StepShape) -> float:
+        """The prefill terms' part of ``time_s``."""
+        return (self.per_prefill_token_s * shape.num_prefill_tokens
+                + self.per_prefill_attn_pair_s * shape.prefill_attn_pairs)
+
+    def scaled(self, factor: float, prefill_factor: float | None = None) -> StepCost:
+        """Every coefficient times ``factor``, the prefill terms' times ``prefill_factor`` if given."""
+        prefill = factor if prefill_factor is None else prefill_factor
+        return StepCost(self.base_s * factor, self.per_prefill_token_s * prefill,
+                        self.per_prefill_attn_pair_s * prefill, self.per_decode_seq_s * factor,
+                        self.per_decode_context_token_s * factor)
 
     def to_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
