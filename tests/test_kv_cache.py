@@ -169,3 +169,115 @@ def test_chunk_start_keeps_whole_window_of_first_query():
     assert table[1] != NULL_BLOCK  # positions 2,3 still visible
     kv.free("a")
     assert kv.is_all_free()
+
+
+def runs_of(table: list[int]) -> int:
+    return 1 + sum(1 for a, b in zip(table, table[1:]) if b != a + 1)
+
+
+def pool_of_two_cached_sequences(keep_runs: bool) -> KVCacheManager:
+    """Every block in use by a (1-4) and b (5-8), then a finishes with its blocks cached: a
+    cached sequence is freed last block first, so the queue holds 4, 3, 2, 1."""
+    kv = full_only(num_blocks=9, block_size=4)
+    for pool in kv.pools:
+        pool.keep_runs = keep_runs
+    for rid, first in (("a", 100), ("b", 200)):
+        assert kv.allocate(rid, 0, 16)
+        kv.cache_computed_blocks(rid, list(range(first, first + 16)), 16)
+    kv.free("a")
+    return kv
+
+
+def test_tables_take_blocks_in_runs_of_consecutive_ids():
+    kv = pool_of_two_cached_sequences(keep_runs=True)
+    assert kv.allocate("c", 0, 16)
+    assert kv.block_tables("c")[0] == [1, 2, 3, 4]  # the run around the block handed out first
+    kv.free("b")  # the queue: 8, 7, 6, 5
+    assert kv.allocate("c", 16, 4)
+    assert kv.block_tables("c")[0] == [1, 2, 3, 4, 5]  # grown into the next block
+    kv.free("c")
+    assert kv.is_all_free()
+
+    old = pool_of_two_cached_sequences(keep_runs=False)  # one by one in queue order
+    assert old.allocate("c", 0, 16)
+    assert old.block_tables("c")[0] == [4, 3, 2, 1]
+    old.free("b")
+    assert old.allocate("c", 16, 4)
+    assert old.block_tables("c")[0] == [4, 3, 2, 1, 8]
+
+
+def test_interleaved_growth_starts_new_runs_and_continues_them():
+    kv = full_only(num_blocks=64, block_size=4, caching=False)
+    assert kv.allocate("a", 0, 8) and kv.allocate("b", 0, 8)
+    assert kv.block_tables("a")[0] == [1, 2] and kv.block_tables("b")[0] == [3, 4]
+    assert kv.allocate("a", 8, 4)  # block 3 is b's: a new run starts where the queue hands out
+    assert kv.allocate("a", 12, 4)  # ... and continues
+    assert kv.allocate("b", 8, 8)
+    assert kv.block_tables("a")[0] == [1, 2, 5, 6]
+    assert kv.block_tables("b")[0] == [3, 4, 7, 8]
+    kv.free("a")
+    kv.free("b")
+    assert kv.is_all_free()
+
+
+def test_runs_take_only_old_cached_blocks():
+    """A cached free block joins a run only while it is among the oldest cached free blocks:
+    the prefix cache keeps evicting least recently used first, to within that window."""
+    from epdserve.engine import kv_cache
+
+    kv = full_only(num_blocks=kv_cache.RUN_AGE_WINDOW * 4 + 8, block_size=1)
+    pool = kv.pools[0]
+    n = kv_cache.RUN_AGE_WINDOW * 4 + 7
+    prompt = list(range(1000, 1000 + n))
+    assert kv.allocate("a", 0, n)  # every block, ids 1..n in order
+    kv.cache_computed_blocks("a", prompt, n)
+    kv.free("a")  # all cached; freed last block first: block n is the oldest
+    assert pool.free_queue[0] == n
+    assert kv.allocate("b", 0, 2)
+    assert kv.block_tables("b")[0] == [n - 1, n]  # the oldest, and its old neighbour
+    kv.free("b")
+    # Block 1 was freed last of all (the newest): a table ending at block 0's side may not grow
+    # into it; one ending next to old blocks grows into them.
+    oldest = pool.free_queue[0]
+    assert pool.allocate(1, after=0) == [oldest] != [1]
+    assert pool.allocate(1, after=n - 3) == [n - 2]
+    pool.free([oldest, n - 2])
+
+
+def test_random_churn_keeps_the_pool_consistent():
+    import random
+
+    rng = random.Random(0)
+    kv = full_only(num_blocks=97, block_size=4)
+    live: dict[str, list[int]] = {}
+    for step in range(3000):
+        if live and (rng.random() < 0.3 or kv.num_free_blocks() < 8):
+            rid = rng.choice(sorted(live))
+            kv.free(rid)
+            del live[rid]
+        elif rng.random() < 0.5 or not live:
+            rid = f"r{step}"
+            tokens = [rng.randrange(4) for _ in range(rng.randrange(2, 30))]  # small alphabet: prefix hits
+            hit = kv.find_cached_prefix(rid, tokens)
+            if kv.allocate(rid, hit.num_tokens, len(tokens) - hit.num_tokens, hit):
+                kv.cache_computed_blocks(rid, tokens, len(tokens))
+                live[rid] = tokens
+        else:
+            rid = rng.choice(sorted(live))
+            tokens = live[rid]
+            tokens.append(rng.randrange(4))
+            if kv.allocate(rid, len(tokens) - 1, 1):
+                kv.cache_computed_blocks(rid, tokens, len(tokens))
+            else:
+                tokens.pop()
+        pool = kv.pools[0]
+        held = [b for rid in live for b in kv.block_tables(rid)[0]]
+        free = pool.free_queue
+        assert len(free) == len(set(free)) and not set(free) & set(held)
+        assert len(set(free) | set(held)) == pool.num_free_blocks + pool.num_used_blocks
+        assert all(pool.ref_counts[b] == 0 for b in free)
+        assert all(pool.ref_counts[b] == held.count(b) for b in set(held))
+        assert all(pool.block_hashes[b] == h for h, b in pool.cached.items())
+    for rid in list(live):
+        kv.free(rid)
+    assert kv.is_all_free()

@@ -2,7 +2,9 @@
 
 ``epdserve serve --step-trace-dir DIR`` makes each worker write ``DIR/<worker id>.jsonl``; the
 first line names the worker (id, role, threads), every later line is one step: when it began,
-how long it took in service (the engine step and sending its outputs, wall time), the worker's
+how long it took in service (the engine step and sending its outputs, wall time), the part of it
+spent in ``ModelRunner.execute`` (what ``epdserve profile`` times; the rest is scheduling, output
+processing and sending), the worker's
 CPU time meanwhile (for a one-thread worker, wall minus CPU is time other processes held its
 core) and its shape in the cost model's terms. ``epdserve calibrate`` compares these steps with
 what an offline profile predicts for the same shapes (see ``planner/calibrate.py``).
@@ -43,7 +45,8 @@ class StepTrace:
             return
         wall_s, cpu_s = time.monotonic() - start, time.process_time() - cpu_start
         shape = StepShape.from_scheduler_output(plan)
-        record = {"t": round(start, 6), "wall_s": round(wall_s, 6), "cpu_s": round(cpu_s, 6), **shape.to_dict()}
+        record = {"t": round(start, 6), "wall_s": round(wall_s, 6), "model_s": round(engine.last_model_s, 6),
+                  "cpu_s": round(cpu_s, 6), **shape.to_dict()}
         self._file.write(json.dumps(record) + "\n")
 
     def close(self) -> None:

@@ -9,6 +9,7 @@ computed the prompt, then find its prompt blocks in the prefix cache.
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
@@ -98,6 +99,7 @@ class LLMEngine:
         self._children: dict[str, list[str]] = {}
         self._mm_inputs: dict[str, list[MMInput]] = {}  # by the id the request was added with
         self.last_plan: SchedulerOutput | None = None  # what the last step scheduled
+        self.last_model_s = 0.0  # wall time of the last step's ModelRunner.execute (s)
         self._ids = itertools.count()
 
     @property
@@ -286,7 +288,9 @@ class LLMEngine:
         for entry in plan.scheduled:
             if entry.start_pos == entry.request.num_cached_tokens and not entry.request.output_token_ids:
                 entry.request.record(EventType.PREFILL_START)
+        model_start = time.perf_counter()
         out = self.runner.execute(plan)
+        self.last_model_s = time.perf_counter() - model_start
         self.scheduler.update(plan, out.sampled_token_ids)
         outputs = []
         for entry in plan.scheduled:

@@ -75,47 +75,111 @@ def hash_block(parent: bytes | None, token_ids: list[int], extra: bytes = b"") -
     return digest.digest()
 
 
-class BlockPool:
-    """One group's blocks: reference counts, LRU free queue, hash -> cached block."""
+RUN_AGE_WINDOW = 64  # BlockPool: how far past the oldest cached free block a run may reach (blocks)
 
-    def __init__(self, num_blocks: int, enable_caching: bool) -> None:
+
+class BlockPool:
+    """One group's blocks: reference counts, free queue, hash -> cached block.
+
+    Free blocks wait in two queues: blocks without a hash (handed out first, most recently
+    freed first) and cached blocks (handed out least recently freed first, so the prefix cache
+    keeps what was used last)."""
+
+    def __init__(self, num_blocks: int, enable_caching: bool, keep_runs: bool = True) -> None:
         if num_blocks < 2:
             raise ValueError(f"a block pool needs at least 2 blocks, got {num_blocks}")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
+        self.keep_runs = keep_runs
         self.ref_counts = [0] * num_blocks
         self.block_hashes: list[bytes | None] = [None] * num_blocks
         self.cached: dict[bytes, int] = {}
-        # Free blocks in eviction order (front first); block 0 is the null block, never free.
-        self.free_queue: OrderedDict[int, None] = OrderedDict((b, None) for b in range(1, num_blocks))
+        # Block 0 is the null block, never free.
+        self._plain: OrderedDict[int, None] = OrderedDict((b, None) for b in range(1, num_blocks))
+        self._cached_free: OrderedDict[int, None] = OrderedDict()
+        self._freed_at = [0] * num_blocks  # when a cached block joined its queue (a count of frees)
+        self._clock = 0
+
+    @property
+    def free_queue(self) -> list[int]:
+        """The free blocks in the order they would be handed out without runs."""
+        return [*self._plain, *self._cached_free]
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_queue)
+        return len(self._plain) + len(self._cached_free)
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - 1 - len(self.free_queue)
+        return self.num_blocks - 1 - self.num_free_blocks
 
     def lookup(self, block_hash: bytes) -> int | None:
         return self.cached.get(block_hash)
 
-    def allocate(self, num_blocks: int) -> list[int]:
-        if num_blocks > len(self.free_queue):
-            raise RuntimeError(f"asked for {num_blocks} blocks, {len(self.free_queue)} free")
-        block_ids = []
-        for _ in range(num_blocks):
-            block_id, _ = self.free_queue.popitem(last=False)
+    def allocate(self, num_blocks: int, after: int | None = None) -> list[int]:
+        """``num_blocks`` free blocks, each with one reference.
+
+        With ``keep_runs``, in runs of consecutive ids where the free queues allow: first the
+        blocks right after ``after`` (the end of the table being grown), then, around the
+        block the queues hand out next, the free blocks next to it. Decode attention reads a
+        sequence's pages in table order and runs markedly faster over consecutive pages than
+        over scattered ones (``benchmarks/scattered_pages.py``); handed out one by one in queue
+        order, the pages of requests that come and go end up scattered. A cached block joins a
+        run only while it is among the oldest cached free blocks (``_run_age_limit``), so the
+        prefix cache still evicts least recently used first, to within that window.
+        """
+        if num_blocks > self.num_free_blocks:
+            raise RuntimeError(f"asked for {num_blocks} blocks, {self.num_free_blocks} free")
+        if not self.keep_runs:
+            block_ids = [self._pop_next() for _ in range(num_blocks)]
+        else:
+            block_ids = []
+            limit = self._run_age_limit()
+            if after is not None:
+                block_id = after + 1
+                while len(block_ids) < num_blocks and self._take(block_id, limit):
+                    block_ids.append(block_id)
+                    block_id += 1
+            while len(block_ids) < num_blocks:
+                low = high = self._pop_next()
+                while len(block_ids) + high - low + 1 < num_blocks and self._take(low - 1, limit):
+                    low -= 1
+                while len(block_ids) + high - low + 1 < num_blocks and self._take(high + 1, limit):
+                    high += 1
+                block_ids.extend(range(low, high + 1))
+        ref_counts = self.ref_counts
+        for block_id in block_ids:
             self._evict(block_id)
-            self.ref_counts[block_id] = 1
-            block_ids.append(block_id)
+            ref_counts[block_id] = 1
         return block_ids
+
+    def _pop_next(self) -> int:
+        return (self._plain if self._plain else self._cached_free).popitem(last=False)[0]
+
+    def _take(self, block_id: int, limit: int) -> bool:
+        """Take a free block out of its queue for a run: any block without a hash, a cached one
+        only if it joined the queue no later than ``limit``."""
+        if block_id in self._plain:
+            del self._plain[block_id]
+            return True
+        if block_id in self._cached_free and self._freed_at[block_id] <= limit:
+            del self._cached_free[block_id]
+            return True
+        return False
+
+    def _run_age_limit(self) -> int:
+        """The latest queue time a cached block taken into a run may have: the oldest cached
+        free block's plus a quarter of the free blocks (at least RUN_AGE_WINDOW)."""
+        if not self._cached_free:
+            return -1
+        oldest = next(iter(self._cached_free))
+        return self._freed_at[oldest] + max(RUN_AGE_WINDOW, self.num_free_blocks // 4)
 
     def touch(self, block_ids: list[int]) -> None:
         """Take a reference on cached blocks (a prefix-cache hit)."""
         for block_id in block_ids:
             if self.ref_counts[block_id] == 0:
-                del self.free_queue[block_id]
+                (self._cached_free if block_id in self._cached_free else self._plain).pop(block_id)
             self.ref_counts[block_id] += 1
 
     def free(self, block_ids: list[int]) -> None:
@@ -127,10 +191,12 @@ class BlockPool:
             assert self.ref_counts[block_id] >= 0, f"block {block_id} freed twice"
             if self.ref_counts[block_id] == 0:
                 if self.block_hashes[block_id] is None:
-                    self.free_queue[block_id] = None
-                    self.free_queue.move_to_end(block_id, last=False)
+                    self._plain[block_id] = None
+                    self._plain.move_to_end(block_id, last=False)
                 else:
-                    self.free_queue[block_id] = None
+                    self._cached_free[block_id] = None
+                    self._freed_at[block_id] = self._clock
+                    self._clock += 1
 
     def cache_block(self, block_id: int, block_hash: bytes) -> None:
         if not self.enable_caching or self.block_hashes[block_id] is not None:
@@ -145,14 +211,22 @@ class BlockPool:
         return sum(1 for b in block_ids if self.ref_counts[b] == 0)
 
     def reorder_free(self, rng: random.Random | None) -> None:
-        """Free blocks in block-id order (as in a fresh pool: a request's blocks come in one
-        contiguous run), or shuffled by ``rng`` (as after requests have come and gone)."""
-        block_ids = sorted(self.free_queue) if rng is None else list(self.free_queue)
-        if rng is not None:
-            rng.shuffle(block_ids)
-        self.free_queue = OrderedDict((b, None) for b in block_ids)
+        """Each free queue in block-id order (as in a fresh pool: a request's blocks come in
+        one contiguous run), or shuffled by ``rng`` (as after requests have come and gone
+        without runs)."""
+        for name in ("_plain", "_cached_free"):
+            block_ids = list(getattr(self, name))
+            if rng is None:
+                block_ids.sort()
+            else:
+                rng.shuffle(block_ids)
+            setattr(self, name, OrderedDict((b, None) for b in block_ids))
 
     def reset_prefix_cache(self) -> None:
+        for block_id in list(self._cached_free):
+            self._evict(block_id)
+            del self._cached_free[block_id]
+            self._plain[block_id] = None
         for block_hash, block_id in list(self.cached.items()):
             if self.ref_counts[block_id] == 0:
                 self._evict(block_id)
@@ -162,6 +236,11 @@ class BlockPool:
         if block_hash is not None:
             del self.cached[block_hash]
             self.block_hashes[block_id] = None
+
+
+def _last_block(table: list[int]) -> int | None:
+    """Where a growing table's next run should start after (None: empty, or out of window)."""
+    return table[-1] if table and table[-1] != NULL_BLOCK else None
 
 
 @dataclass(frozen=True)
@@ -188,14 +267,16 @@ class KVCacheManager:
         num_blocks: int,
         block_size: int,
         enable_prefix_caching: bool = True,
+        keep_runs: bool = True,
     ) -> None:
+        """``keep_runs``: hand out blocks in runs of consecutive ids (``BlockPool.allocate``)."""
         self.groups = groups
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching and all(
             g.is_prefix_cacheable for g in groups
         )
-        self.pools = [BlockPool(num_blocks, self.enable_prefix_caching) for _ in groups]
+        self.pools = [BlockPool(num_blocks, self.enable_prefix_caching, keep_runs) for _ in groups]
         self._has_windows = any(g.sliding_window is not None for g in groups)
         self._requests: dict[str, _RequestBlocks] = {}
         # Block hashes computed by find_cached_prefix for a request that holds no blocks yet;
@@ -307,7 +388,7 @@ class KVCacheManager:
             self._release_out_of_window(group_id, table, num_computed)
             num_missing = self.num_blocks_for(num_computed + num_new_tokens) - len(table)
             if num_missing > 0:
-                table.extend(pool.allocate(num_missing))
+                table.extend(pool.allocate(num_missing, _last_block(table)))
         if hit is not None and hit.num_tokens:
             entry.num_cached_blocks = max(entry.num_cached_blocks, hit.num_tokens // self.block_size)
         return True
@@ -326,7 +407,7 @@ class KVCacheManager:
             return False
         for table, pool in zip(entry.tables, self.pools):
             if total > len(table):
-                table.extend(pool.allocate(total - len(table)))
+                table.extend(pool.allocate(total - len(table), _last_block(table)))
         return True
 
     def _blocks_needed(

@@ -116,19 +116,38 @@ class StepProbe:
         request = Request(request_id, tokens[:-1] if is_decode else tokens, self._params)
         if is_decode:  # its last token is an output token: the entry decodes
             request.output_token_ids.append(tokens[-1])
-        if not self.engine.kv_cache.allocate(request_id, 0, start_pos + num_new):
-            raise ConfigError(f"probe KV cache too small for a step of {start_pos + num_new} tokens")
-        tables = self.engine.kv_cache.block_tables(request_id)
+        kv_cache = self.engine.kv_cache
+        num_tokens = start_pos + num_new
+        # A served sequence's pages: its prompt's in runs (one allocation), the blocks its
+        # decode steps added one at a time, in turn with the other running sequences: those
+        # come from wherever the queue hands out. A quarter of a decode entry's context counts
+        # as decoded.
+        num_prompt = num_tokens - (num_tokens // 4 if is_decode else 0)
+        if not kv_cache.allocate(request_id, 0, num_prompt) or not self._allocate_scattered(
+                request_id, num_prompt, num_tokens - num_prompt):
+            raise ConfigError(f"probe KV cache too small for a step of {num_tokens} tokens")
+        tables = kv_cache.block_tables(request_id)
         if self.kv_target is not None and not is_decode:
             # The peer pool has as many blocks as this one: the same block ids address it.
             request.kv_target, request.kv_target_block_ids = self.kv_target, tables
         return ScheduledRequest(request, start_pos, num_new, tables, True)
 
+    def _allocate_scattered(self, request_id: str, num_computed: int, num_new: int) -> bool:
+        pools = self.engine.kv_cache.pools
+        for pool in pools:
+            pool.keep_runs = False
+        try:
+            return self.engine.kv_cache.allocate(request_id, num_computed, num_new)
+        finally:
+            for pool in pools:
+                pool.keep_runs = True
+
     def build(self, point: StepPoint) -> SchedulerOutput:
-        # Scattered pages, as in a worker that has served a while: decode steps read every
-        # page of every sequence and are markedly slower over scattered pages than over the
-        # contiguous runs a fresh pool hands out (benchmarks/scattered_pages.py: 1.35x at 12
-        # sequences of 400 tokens here). Shuffled before every point: freed blocks return in runs.
+        # Pages as in a worker that has served a while: decode steps read every page of every
+        # sequence, and run markedly slower over scattered pages than over consecutive ones
+        # (benchmarks/scattered_pages.py). The free blocks are shuffled before every point (a
+        # probe's freed blocks return in runs), then each entry takes its pages as a served
+        # sequence does (``_entry``).
         self.engine.kv_cache.reorder_free_blocks(self._rng)
         entries = [self._entry(s, n, is_decode=False) for s, n in point.prefills]
         entries += [self._entry(point.decode_context - 1, 1, is_decode=True) for _ in range(point.num_decode_seqs)]

@@ -80,8 +80,12 @@ class StepInstance:
                  enable_prefix_caching: bool, max_num_seqs: int | None, link: Link | None, model_name: str) -> None:
         self.role = profile.name
         # One full-attention group: block bookkeeping only (byte sizes come from the profile).
+        # Which block ids a request holds does not change a simulated step's cost, so blocks
+        # come in queue order (no runs): the same ids whether a decode stretch is stepped or
+        # fast-forwarded in one allocation, and prefix-cache eviction strictly least recently used.
         groups = make_group_specs((None,), num_kv_heads=1, head_dim=1)
-        self.kv_cache = KVCacheManager(groups, profile.num_kv_blocks, block_size, enable_prefix_caching)
+        self.kv_cache = KVCacheManager(groups, profile.num_kv_blocks, block_size, enable_prefix_caching,
+                                       keep_runs=False)
         config = SchedulerConfig(
             max_num_seqs=max_num_seqs or profile.max_num_seqs,
             max_num_batched_tokens=profile.max_num_batched_tokens,
