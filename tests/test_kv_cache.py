@@ -171,10 +171,6 @@ def test_chunk_start_keeps_whole_window_of_first_query():
     assert kv.is_all_free()
 
 
-def runs_of(table: list[int]) -> int:
-    return 1 + sum(1 for a, b in zip(table, table[1:]) if b != a + 1)
-
-
 def pool_of_two_cached_sequences(keep_runs: bool) -> KVCacheManager:
     """Every block in use by a (1-4) and b (5-8), then a finishes with its blocks cached: a
     cached sequence is freed last block first, so the queue holds 4, 3, 2, 1."""
