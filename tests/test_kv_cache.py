@@ -277,3 +277,19 @@ def test_random_churn_keeps_the_pool_consistent():
     for rid in list(live):
         kv.free(rid)
     assert kv.is_all_free()
+
+
+def test_reset_prefix_cache_forgets_free_cached_blocks_only():
+    kv = full_only(num_blocks=16, block_size=4)
+    a, b = list(range(100, 109)), list(range(200, 209))
+    for rid, tokens in (("a", a), ("b", b)):
+        assert kv.allocate(rid, 0, len(tokens))
+        kv.cache_computed_blocks(rid, tokens, len(tokens))
+    kv.free("a")
+    kv.reset_prefix_cache()
+    assert kv.find_cached_prefix("c", a).num_tokens == 0  # a's blocks were free: forgotten
+    assert kv.find_cached_prefix("d", b).num_tokens == 8  # b still holds its blocks
+    pool = kv.pools[0]
+    assert all(pool.block_hashes[blk] is None for blk in pool.free_queue)
+    kv.free("b")
+    assert kv.is_all_free()

@@ -223,13 +223,11 @@ class BlockPool:
             setattr(self, name, OrderedDict((b, None) for b in block_ids))
 
     def reset_prefix_cache(self) -> None:
-        for block_id in list(self._cached_free):
+        """Forget every cached block no request holds (they join the uncached free blocks)."""
+        for block_id in self._cached_free:
             self._evict(block_id)
-            del self._cached_free[block_id]
             self._plain[block_id] = None
-        for block_hash, block_id in list(self.cached.items()):
-            if self.ref_counts[block_id] == 0:
-                self._evict(block_id)
+        self._cached_free.clear()
 
     def _evict(self, block_id: int) -> None:
         block_hash = self.block_hashes[block_id]

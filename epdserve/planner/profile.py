@@ -133,14 +133,16 @@ class StepProbe:
         return ScheduledRequest(request, start_pos, num_new, tables, True)
 
     def _allocate_scattered(self, request_id: str, num_computed: int, num_new: int) -> bool:
+        """``allocate`` with every block from the front of the (shuffled) free queue."""
         pools = self.engine.kv_cache.pools
+        keep_runs = [pool.keep_runs for pool in pools]
         for pool in pools:
             pool.keep_runs = False
         try:
             return self.engine.kv_cache.allocate(request_id, num_computed, num_new)
         finally:
-            for pool in pools:
-                pool.keep_runs = True
+            for pool, keep in zip(pools, keep_runs):
+                pool.keep_runs = keep
 
     def build(self, point: StepPoint) -> SchedulerOutput:
         # Pages as in a worker that has served a while: decode steps read every page of every
