@@ -8,9 +8,9 @@
    attainment is >= 90 % on the random workload (256 in / 96 out tokens, +-25 %).
 3. For each topology (colocated x2: two colocated workers on one core each; 1P1D: one prefill
    and one decode worker on one core each), start ``epdserve serve`` with step tracing, send
-   an unscored warm-up, then (unless ``--no-calibrate``) an unscored calibration run at 0.75 x
-   capacity with its own seed, and ``epdserve calibrate`` the profile on the steps the workers
-   traced in it. Then run ``epdserve bench serve`` at 0.5, 1.0 and 1.5 x capacity (each level
+   an unscored warm-up, then (unless ``--no-calibrate``) unscored calibration runs at 0.75 x
+   and 1.25 x capacity with seeds of their own, and ``epdserve calibrate --since`` the profile
+   on the steps the workers traced in them (not the warm-up's). Then run ``epdserve bench serve`` at 0.5, 1.0 and 1.5 x capacity (each level
    has prompts of its own fixed seed, so none hits the prefix cache).
 4. Write each run's requests as a Mooncake trace (send time, prompt tokens as the server
    counted them, output tokens) and replay it with ``epdserve simulate`` on the calibrated
@@ -85,7 +85,7 @@ class Scale:
     cycle_kv_pool: bool  # warm up until every worker's KV pool has been allocated once
 
 
-FULL = Scale(160, 16, 60, 256, 96, 0.25, (0.5, 1.0, 1.5), 1000.0, 80.0, False, True)
+FULL = Scale(160, 16, 150, 256, 96, 0.25, (0.5, 1.0, 1.5), 1000.0, 80.0, False, True)
 QUICK = Scale(10, 4, 24, 64, 8, 0.25, (0.5, 1.0), 1000.0, 80.0, True, False)
 
 
@@ -261,6 +261,9 @@ def run_topology(topology: str, profile: Path, capacities: dict[str, float], sca
         bench_serve(server.url, capacity, num_warmup, WARMUP_SEED, scale, out_dir / f"warmup_{name}.json", log)
         sim_profile = profile
         if calibrate:
+            # Calibrate on the calibration runs' steps only: the warm-up starts on a fresh KV
+            # pool, and steps ran faster until its free list had churned.
+            since = time.monotonic()
             for k, load in enumerate(CALIBRATION_LOADS):
                 wait_for_idle(pids, max_wait_idle_s)
                 bench_serve(server.url, load * capacity, scale.num_calibration_prompts, CALIBRATION_SEED + k, scale,
@@ -269,7 +272,7 @@ def run_topology(topology: str, profile: Path, capacities: dict[str, float], sca
             # The workers' trace files are line-buffered: every step of the calibration runs
             # is on disk; the levels' steps come later and are not read here.
             run_logged(epdserve("calibrate", "--profile", str(profile), "--step-trace-dir", str(trace_dir),
-                                "--out", str(sim_profile)), log)
+                                "--since", f"{since:.6f}", "--out", str(sim_profile)), log)
             # The levels are multiples of what the calibrated simulator says this deployment holds.
             capacity = estimate_capacity(sim_profile, topology, scale, out_dir / "capacity_calibrated", log)
             capacities[topology] = capacity
@@ -355,15 +358,15 @@ def build_report(cells: list[dict], capacities: dict[str, float], scale: Scale, 
             (f"Simulated on the calibrated profile: before the levels, each server ran {scale.num_calibration_prompts} "
              "unscored requests at each of " + " and ".join(f"{x:g}x" for x in CALIBRATION_LOADS)
              + f" the offline capacity estimate (seeds {CALIBRATION_SEED}+) with its workers tracing "
-             "their steps, and `epdserve calibrate` fitted each role's traced step times against the profile's "
-             "prediction for the same shapes: a factor for a step while the other worker is idle, and a "
-             "slowdown while it is mid-step (simulated with `--instances-per-host 2`):"),
+             "their steps, and `epdserve calibrate --since` (the calibration runs' steps, not the warm-up's) "
+             "fitted each role's traced step times against the profile's prediction for the same shapes: per "
+             "term group (base, prefill terms, decode terms) a factor for a step while the other worker is "
+             "idle, and the extra while it is mid-step (simulated with `--instances-per-host 2`):"),
             "",
-            *[f"- {topology}: " + ", ".join(
-                f"{role} × {cal['alone']:.3f}"
-                + (f" (prefill terms × {cal['alone_prefill']:.3f})" if cal.get("alone_prefill") else "")
-                + f", +{100 * cal['neighbour_slowdown']:.1f} % next to a busy worker "
-                f"({cal['num_steps']} steps; served / predicted overall {cal['factor']:.3f})"
+            *[f"- {topology}: " + "; ".join(
+                f"{role}: " + ", ".join(f"{term} × {cal['alone'][term]:.3f} (+{cal['busy'][term]:.3f} next to a busy "
+                                        "worker)" for term in cal["alone"])
+                + f" ({cal['num_steps']} steps; served / predicted overall {cal['factor']:.3f})"
                 for role, cal in factors.items())
               for topology, factors in calibration_factors(cells).items()],
             "",

@@ -340,6 +340,9 @@ def test_workers_trace_their_steps_and_calibrate_reads_them(pd_shm):
     assert set(result) == {"prefill", "decode"}
     for role, cal in result.items():
         assert cal.served_s == pytest.approx(sum(t for _, t in traces[role]), rel=1e-3)
-        assert calibrated.role(role).step.base_s == pytest.approx(cost.role(role).step.base_s * cal.alone)
-        assert calibrated.role(role).neighbour_slowdown == pytest.approx(cal.neighbour_slowdown)
+        assert calibrated.role(role).step.base_s == pytest.approx(cost.role(role).step.base_s * cal.alone[0])
+        neighbour = calibrated.role(role).neighbour_step
+        assert (neighbour is None) == (not any(cal.busy))
+        if neighbour is not None:
+            assert neighbour.base_s == pytest.approx(cost.role(role).step.base_s * cal.busy[0])
     pd_shm.wait_all_blocks_free()

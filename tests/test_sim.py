@@ -85,6 +85,14 @@ def test_neighbour_slowdown_on_a_shared_host():
     # Stepping every step (no fast-forward) is what makes the neighbour's state visible.
     sim, _ = run(profile, "colocated=2", fixed_workload([0.0], [16], [8]), instances_per_host=2)
     assert not sim.is_fast_forward
+    # A calibrated profile's neighbour step: extra seconds per term (here 10 ms base and 0.5 ms
+    # per prefill token: 60 ms more for request 1's 100-token prefill).
+    profile = profile_dict()
+    profile["roles"]["colocated"]["neighbour_step"] = {
+        "base_s": 0.01, "per_prefill_token_s": 5e-4, "per_prefill_attn_pair_s": 0.0, "per_decode_seq_s": 0.0,
+        "per_decode_context_token_s": 0.0}
+    _, shared = run(profile, "colocated=2", workload, instances_per_host=2)
+    assert shared.ttft == pytest.approx([0.11, 0.11 + 0.06])
 
 
 def test_pd_first_token_at_prefill_end_and_decode_after_layerwise_transfer():

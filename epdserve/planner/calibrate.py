@@ -4,9 +4,13 @@ An offline profile times each role's steps alone on its cores. In service the sa
 longer: workers that share a host share its memory bandwidth and last-level cache, and the
 router, the HTTP server and the clients take CPU time from the workers' cores. A short serving
 run with ``epdserve serve --step-trace-dir DIR`` records every model step each worker ran
-(``cluster/step_trace.py``); for each role this module sums the steps' time in service and the
-time the profile predicts for the same shapes, and multiplies the role's coefficients by the
-ratio. The result is a profile like any other (``simulate`` and ``plan`` read it) with a
+(``cluster/step_trace.py``); for each role this module predicts every traced step from the
+profile, split into the cost model's term groups (base, prefill terms, decode terms), and fits
+per group a factor for a step alone and an extra for a step during which the host's other traced
+workers are mid-step: a step of one sequence that streams the model's weights slows far more
+next to another such step than a prefill does. The result is a profile like any other
+(``simulate`` and ``plan`` read it): the scaled step cost, a ``neighbour_step`` cost that the
+simulator adds by the share of an instance's neighbours that are mid-step, and a
 ``calibration`` record of the factors and what they were measured on.
 
 The factor belongs to the packing it was measured on (which roles shared the host, at what
@@ -23,9 +27,16 @@ from pathlib import Path
 import numpy as np
 
 from epdserve.errors import ConfigError
-from epdserve.sim.cost_model import STEP_ROLES, CostModel, StepCost, StepShape
+from epdserve.sim.cost_model import STEP_ROLES, CostModel, StepCost, StepShape, nnls
 
 MIN_STEPS = 10  # a role needs at least this many traced steps to be calibrated
+
+
+TERMS = ("base", "prefill", "decode")  # the cost model's terms in three groups (StepCost.parts_s)
+# How strongly each term group's factor for a step alone is held at the profile's (1), per
+# traced step: where the traces cannot tell the groups apart (the same shapes throughout, or the
+# neighbour busy in every step) the fit keeps the profile's proportions.
+RIDGE = 1e-3
 
 
 @dataclass(frozen=True)
@@ -34,21 +45,17 @@ class RoleCalibration:
     num_steps: int
     served_s: float  # sum of the traced steps' time in service
     predicted_s: float  # sum of what the profile predicts for the same shapes
-    alone: float  # served / predicted for a step while no other traced worker is mid-step
-    neighbour_slowdown: float  # relative extra time while every other traced worker is mid-step
+    alone: tuple[float, float, float]  # per term group (TERMS): served / profiled, no traced neighbour mid-step
+    busy: tuple[float, float, float]  # per term group: extra served / profiled while every neighbour is mid-step
     cpu_share: float | None = None  # one-thread workers: their CPU time / served time (None: not traced)
-    # ``alone`` for the prefill terms where the role's steps tell them apart (colocated steps
-    # mix prefill and decode); None: one factor scales every term.
-    alone_prefill: float | None = None
 
     @property
     def factor(self) -> float:
         return self.served_s / self.predicted_s
 
     def to_dict(self) -> dict:
-        return {"factor": round(self.factor, 4), "alone": round(self.alone, 4),
-                "alone_prefill": None if self.alone_prefill is None else round(self.alone_prefill, 4),
-                "neighbour_slowdown": round(self.neighbour_slowdown, 4), "num_steps": self.num_steps,
+        return {"factor": round(self.factor, 4), "alone": dict(zip(TERMS, (round(a, 4) for a in self.alone))),
+                "busy": dict(zip(TERMS, (round(b, 4) for b in self.busy))), "num_steps": self.num_steps,
                 "cpu_share": None if self.cpu_share is None else round(self.cpu_share, 4),
                 "served_s": round(self.served_s, 3), "predicted_s": round(self.predicted_s, 3)}
 
@@ -110,55 +117,37 @@ def busy_overlap(trace: WorkerTrace, others: list[WorkerTrace]) -> np.ndarray:
     return np.clip(total / len(others), 0.0, 1.0)
 
 
-def fit_role(walls: np.ndarray, predicted: np.ndarray, overlap: np.ndarray) -> tuple[float, float]:
-    """``wall ~ predicted x (alone + extra x overlap)`` by least squares; returns (alone,
-    extra / alone). Without a spread of overlaps (or a negative slope) one factor fits all."""
-    ratio = float(walls.sum() / predicted.sum())
-    if overlap.max() - overlap.min() < 0.5:
-        return ratio, 0.0
-    x = np.column_stack([predicted, predicted * overlap])
-    (alone, extra), *_ = np.linalg.lstsq(x, walls, rcond=None)
-    if alone <= 0 or extra <= 0:
-        return ratio, 0.0
-    return float(alone), float(extra / alone)
+def step_parts(step: StepCost, shapes: list[StepShape]) -> np.ndarray:
+    """Each step's predicted time by term group (TERMS), one row per step."""
+    return np.array([step.parts_s(shape) for shape in shapes]).reshape(len(shapes), len(TERMS))
 
 
-SLOWDOWN_GRID = np.linspace(0.0, 1.0, 401)
+def fit_terms(walls: np.ndarray, parts: np.ndarray, overlap: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``wall ~ sum_g parts_g x (alone_g + busy_g x overlap)`` by non-negative least squares on
+    relative residuals (a 20 ms decode step counts as much as a 300 ms prefill), each ``alone_g``
+    held at 1 by a ridge of RIDGE per step. A group absent from every step keeps alone 1 and
+    busy 0; without overlaps, busy is 0. Returns (alone, busy), one value per group."""
+    x = np.column_stack([parts, parts * overlap[:, None]]) / walls[:, None]
+    num_groups = parts.shape[1]
+    present = np.concatenate([np.abs(parts).sum(axis=0) > 0] * 2)
+    present[num_groups:] &= overlap.max() > 0
+    ridge = np.zeros((num_groups, 2 * num_groups))
+    ridge[np.arange(num_groups), np.arange(num_groups)] = np.sqrt(RIDGE * len(walls))
+    a = np.vstack([x, ridge])[:, present]
+    b = np.concatenate([np.ones(len(walls)), np.full(num_groups, np.sqrt(RIDGE * len(walls)))])
+    coef = np.zeros(2 * num_groups)
+    coef[present] = nnls(a, b)
+    alone, busy = coef[:num_groups], coef[num_groups:]
+    alone[~present[:num_groups]] = 1.0
+    return alone, busy
 
 
-def step_parts(step: StepCost, shapes: list[StepShape]) -> tuple[np.ndarray, np.ndarray]:
-    """Each step's predicted time split into its prefill terms and the rest (base, decode)."""
-    prefill = np.array([step.prefill_s(s) for s in shapes])
-    rest = np.array([step.time_s(s) for s in shapes]) - prefill
-    return prefill, rest
-
-
-def fit_role_parts(walls: np.ndarray, prefill: np.ndarray, rest: np.ndarray,
-                   overlap: np.ndarray) -> tuple[float, float, float] | None:
-    """``wall ~ (kp x prefill + kd x rest) x (1 + slowdown x overlap)``, each step weighted by
-    its own time (relative residuals: a 20 ms decode step counts as much as a 300 ms prefill);
-    the slowdown by a grid search, kp and kd by least squares for each. Returns (kd, kp,
-    slowdown), or None where the two parts cannot be told apart (fewer than MIN_STEPS steps
-    without prefill, or with prefill: a prefill worker's steps are all prefill plus the same
-    base) or a factor comes out <= 0."""
-    if (prefill == 0).sum() < MIN_STEPS or (prefill > 0).sum() < MIN_STEPS:
-        return None
-    grid = SLOWDOWN_GRID if overlap.max() - overlap.min() >= 0.5 else np.zeros(1)
-    best = None
-    for slowdown in grid:
-        scale = (1.0 + slowdown * overlap) / walls
-        x = np.column_stack([prefill * scale, rest * scale])
-        (kp, kd), residual, *_ = np.linalg.lstsq(x, np.ones_like(walls), rcond=None)
-        error = float(residual[0]) if len(residual) else float(np.sum((x @ [kp, kd] - 1.0) ** 2))
-        if kp > 0 and kd > 0 and (best is None or error < best[0]):
-            best = (error, float(kd), float(kp), float(slowdown))
-    return None if best is None else best[1:]
-
-
-def calibrate(cost: CostModel, trace_dir: Path) -> tuple[CostModel, dict[str, RoleCalibration]]:
-    """The profile with each traced role's step cost scaled to its steps in service: by the
-    served / predicted ratio of a step with no traced neighbour busy, plus a neighbour
-    slowdown for the share of the host's other traced workers that are mid-step."""
+def calibrate(cost: CostModel, trace_dir: Path, since: float | None = None) -> tuple[CostModel, dict[str, RoleCalibration]]:
+    """The profile with each traced role's step cost scaled to its steps in service: per term
+    group, a factor for a step while no other traced worker is mid-step, and the extra while
+    they all are (the neighbour step, applied by the share of the host's other instances that
+    are mid-step). ``since``: only steps that began at or after this time (the traces' clock,
+    ``time.monotonic``), e.g. to leave out a warm-up."""
     files = sorted(Path(trace_dir).glob("*.jsonl"))
     if not files:
         raise ConfigError(f"no step traces (*.jsonl) in {trace_dir}; serve with --step-trace-dir {trace_dir}")
@@ -171,34 +160,31 @@ def calibrate(cost: CostModel, trace_dir: Path) -> tuple[CostModel, dict[str, Ro
     by_role: dict[str, list[tuple[np.ndarray, ...]]] = {}
     cpu: dict[str, list[tuple[float, float]]] = {}  # one-thread workers: (CPU s, served s)
     for trace in traces:
+        # Overlaps are measured against every traced step, the role's fit only on steps since ``since``.
+        keep = np.ones(len(trace.walls), dtype=bool) if since is None else trace.starts >= since
         if trace.cpus is not None and trace.num_threads == 1:
-            cpu.setdefault(trace.role, []).append((float(trace.cpus.sum()), float(trace.walls.sum())))
-        prefill, rest = step_parts(cost.role(trace.role).step, trace.shapes)
-        overlap = busy_overlap(trace, [t for t in traces if t is not trace])
-        by_role.setdefault(trace.role, []).append((trace.walls, prefill, rest, overlap))
+            cpu.setdefault(trace.role, []).append((float(trace.cpus[keep].sum()), float(trace.walls[keep].sum())))
+        parts = step_parts(cost.role(trace.role).step, [s for s, k in zip(trace.shapes, keep) if k])
+        overlap = busy_overlap(trace, [t for t in traces if t is not trace])[keep]
+        by_role.setdefault(trace.role, []).append((trace.walls[keep], parts, overlap))
     result = {}
-    for role, parts in by_role.items():
-        walls, prefill, rest, overlap = (np.concatenate(p) for p in zip(*parts))
+    for role, groups in by_role.items():
+        walls, parts, overlap = (np.concatenate(g) for g in zip(*groups))
         if len(walls) < MIN_STEPS:
-            raise ConfigError(f"only {len(walls)} {role} steps traced in {trace_dir}; "
-                              f"calibrate needs at least {MIN_STEPS}")
-        predicted = prefill + rest
-        split = fit_role_parts(walls, prefill, rest, overlap)
-        if split is None:
-            alone, slowdown = fit_role(walls, predicted, overlap)
-            alone_prefill = None
-        else:
-            alone, alone_prefill, slowdown = split
-        cpu_share = sum(c for c, _ in cpu[role]) / sum(w for _, w in cpu[role]) if role in cpu else None
-        result[role] = RoleCalibration(role, len(walls), float(walls.sum()), float(predicted.sum()), alone, slowdown,
-                                       cpu_share, alone_prefill)
+            raise ConfigError(f"only {len(walls)} {role} steps traced in {trace_dir}"
+                              + ("" if since is None else f" since {since:g}") + f"; calibrate needs at least {MIN_STEPS}")
+        alone, busy = fit_terms(walls, parts, overlap)
+        cpu_share = sum(c for c, _ in cpu[role]) / max(sum(w for _, w in cpu[role]), 1e-9) if role in cpu else None
+        result[role] = RoleCalibration(role, len(walls), float(walls.sum()), float(parts.sum()),
+                                       tuple(float(a) for a in alone), tuple(float(b) for b in busy), cpu_share)
     roles = dict(cost.roles)
     for role, cal in result.items():
         old = roles[role]
-        roles[role] = replace(old, step=old.step.scaled(cal.alone, cal.alone_prefill),
-                              neighbour_slowdown=cal.neighbour_slowdown)
+        neighbour = old.step.scaled(*cal.busy) if any(cal.busy) else None
+        roles[role] = replace(old, step=old.step.scaled(*cal.alone), neighbour_step=neighbour)
     raw = dict(cost.raw)
-    raw["calibration"] = {"step_trace_dir": str(trace_dir), "roles": {r: c.to_dict() for r, c in result.items()}}
+    raw["calibration"] = {"step_trace_dir": str(trace_dir), "since": since,
+                          "roles": {r: c.to_dict() for r, c in result.items()}}
     return replace(cost, roles=roles, raw=raw), result
 
 
@@ -208,6 +194,9 @@ def add_calibrate_parser(subparsers: argparse._SubParsersAction) -> argparse.Arg
     p.add_argument("--profile", required=True, help="profile.json written by epdserve profile")
     p.add_argument("--step-trace-dir", required=True,
                    help="the directory given to epdserve serve --step-trace-dir for the calibration run")
+    p.add_argument("--since", type=float, default=None,
+                   help="only steps that began at or after this time (the traces' clock: the host's "
+                        "time.monotonic seconds), e.g. to leave out a warm-up")
     p.add_argument("--out", required=True, help="where to write the calibrated profile")
     p.set_defaults(func=run_calibrate_command)
     return p
@@ -215,15 +204,15 @@ def add_calibrate_parser(subparsers: argparse._SubParsersAction) -> argparse.Arg
 
 def run_calibrate_command(ns: argparse.Namespace) -> int:
     cost = CostModel.load(ns.profile)
-    calibrated, result = calibrate(cost, Path(ns.step_trace_dir))
+    calibrated, result = calibrate(cost, Path(ns.step_trace_dir), ns.since)
     try:
         calibrated.save(ns.out)
     except OSError as e:
         raise ConfigError(f"cannot write {ns.out}: {e.strerror}") from None
     for role, cal in sorted(result.items()):
+        terms = ", ".join(f"{t} x{a:.3f} (+{b:.3f} next to busy)" for t, a, b in zip(TERMS, cal.alone, cal.busy))
         print(f"{role:10s} {cal.num_steps:6d} steps  served {cal.served_s:8.2f} s  "
-              f"profile predicts {cal.predicted_s:8.2f} s  factor {cal.factor:.3f}  "
-              f"(alone {cal.alone:.3f}, neighbour slowdown +{100 * cal.neighbour_slowdown:.1f} %"
+              f"profile predicts {cal.predicted_s:8.2f} s  factor {cal.factor:.3f}  ({terms}"
               + ("" if cal.cpu_share is None else f"; on CPU {100 * cal.cpu_share:.0f} % of it") + ")")
     print(f"wrote {ns.out}")
     return 0

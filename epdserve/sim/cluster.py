@@ -73,7 +73,7 @@ class ClusterSim:
         # A step's time then depends on the other instances' state, which a fast-forwarded
         # stretch cannot see: step every step.
         self.is_fast_forward = config.is_fast_forward and not any(
-            inst.neighbour_slowdown and inst.neighbours for inst in self.instances)
+            inst.neighbour_step is not None and inst.neighbours for inst in self.instances)
         self.recorder = Recorder(len(workload), config.max_detail_requests, watch)
         self.watch = watch
         self.is_aborted = False
@@ -286,9 +286,10 @@ class ClusterSim:
         now = self.now
         shape = StepShape.from_scheduler_output(out)
         step_s = inst.step_cost.time_s(shape)
-        if inst.neighbour_slowdown and inst.neighbours:
+        if inst.neighbour_step is not None and inst.neighbours:
             busy = sum(1 for o in inst.neighbours if o.is_busy) / len(inst.neighbours)
-            step_s *= 1.0 + inst.neighbour_slowdown * busy
+            if busy:
+                step_s += busy * inst.neighbour_step.time_s(shape)
         if shape.num_prefill_tokens:
             flights = self.flights
             for entry in out.scheduled:

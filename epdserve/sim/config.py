@@ -25,7 +25,7 @@ class SimConfig:
     max_detail_requests: int = 10_000  # requests that keep inter-token gaps and timing
     is_fast_forward: bool = True  # decode-only stretches in bulk (same result as stepping)
     # Instances share hosts in creation order (encode, prefill, decode / colocated), this many
-    # per host; a role's ``neighbour_slowdown`` applies to the others on its host.
+    # per host; a role's ``neighbour_step`` applies to the others on its host.
     instances_per_host: int = 1
     routing: str = "least-prefill"  # the router's policy (WorkerRegistry.pick, which checks it)
 

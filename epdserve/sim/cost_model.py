@@ -121,12 +121,20 @@ class StepCost:
         return (self.per_prefill_token_s * shape.num_prefill_tokens
                 + self.per_prefill_attn_pair_s * shape.prefill_attn_pairs)
 
-    def scaled(self, factor: float, prefill_factor: float | None = None) -> StepCost:
-        """Every coefficient times ``factor``, the prefill terms' times ``prefill_factor`` if given."""
+    def scaled(self, factor: float, prefill_factor: float | None = None, decode_factor: float | None = None) -> StepCost:
+        """Every coefficient times ``factor``; the prefill terms' times ``prefill_factor`` and the
+        decode terms' times ``decode_factor`` where given."""
         prefill = factor if prefill_factor is None else prefill_factor
+        decode = factor if decode_factor is None else decode_factor
         return StepCost(self.base_s * factor, self.per_prefill_token_s * prefill,
-                        self.per_prefill_attn_pair_s * prefill, self.per_decode_seq_s * factor,
-                        self.per_decode_context_token_s * factor)
+                        self.per_prefill_attn_pair_s * prefill, self.per_decode_seq_s * decode,
+                        self.per_decode_context_token_s * decode)
+
+    def parts_s(self, shape: StepShape) -> tuple[float, float, float]:
+        """``time_s`` as (base, prefill terms, decode terms)."""
+        prefill = self.prefill_s(shape)
+        decode = self.per_decode_seq_s * shape.num_decode_seqs + self.per_decode_context_token_s * shape.decode_context_tokens
+        return self.base_s, prefill, decode
 
     def to_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -155,7 +163,7 @@ class StepCost:
         # Columns span ~10 orders of magnitude (1 vs attention pairs): solve on unit columns.
         scale = np.linalg.norm(xw, axis=0)
         scale[scale == 0] = 1.0
-        coef = _nnls(xw / scale, yw) / scale
+        coef = nnls(xw / scale, yw) / scale
         cost = StepCost(*(float(c) for c in coef))
         pred = x @ coef
         ss_res = float(np.sum((y - pred) ** 2))
@@ -167,7 +175,7 @@ class StepCost:
         return cost, {"r2": r2, "mean_abs_rel_error": mean_rel, "num_samples": len(samples)}
 
 
-def _nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+def nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """min ||a x - b|| subject to x >= 0 (scipy's solver when installed, else Lawson-Hanson)."""
     try:
         from scipy.optimize import nnls
@@ -213,12 +221,12 @@ class RoleProfile:
     step: StepCost
     fit: dict | None = field(default=None, compare=False)  # {"r2", "mean_abs_rel_error", "num_samples"}
     samples: tuple[dict, ...] = field(default=(), compare=False)  # StepShape fields + "time_s"
-    # A step takes (1 + neighbour_slowdown x the share of the other instances on its host that
-    # are mid-step) times ``step``; set by ``epdserve calibrate``, 0 in an offline profile.
-    neighbour_slowdown: float = 0.0
+    # Extra seconds per unit of each term while every other instance on the host is mid-step: a
+    # step takes ``step`` plus the share of its neighbours that are mid-step times this. Set by
+    # ``epdserve calibrate``; None in an offline profile.
+    neighbour_step: StepCost | None = None
 
     def __post_init__(self) -> None:
-        _check_coefficient(f"{self.name}.neighbour_slowdown", self.neighbour_slowdown)
         _require(self.name in STEP_ROLES, f"unknown role {self.name!r} (roles: {', '.join(STEP_ROLES + (ENCODE_ROLE,))})")
         _check_count(f"{self.name}.num_threads", self.num_threads, 1)
         _check_count(f"{self.name}.num_kv_blocks", self.num_kv_blocks, 2)
@@ -236,8 +244,8 @@ class RoleProfile:
             "max_num_batched_tokens": self.max_num_batched_tokens,
             "step": self.step.to_dict(),
         }
-        if self.neighbour_slowdown:
-            d["neighbour_slowdown"] = self.neighbour_slowdown
+        if self.neighbour_step is not None:
+            d["neighbour_step"] = self.neighbour_step.to_dict()
         if self.fit is not None:
             d["fit"] = dict(self.fit)
         if self.samples:
@@ -251,8 +259,13 @@ class RoleProfile:
             _require(key in d, f"role {name!r} is missing {key!r}")
         try:
             step = StepCost.from_dict(d["step"])
+            neighbour_step = StepCost.from_dict(d["neighbour_step"]) if d.get("neighbour_step") is not None else None
         except ConfigError as e:
             raise ConfigError(f"role {name!r}: {e}") from None
+        slowdown = d.get("neighbour_slowdown")  # profiles calibrated before neighbour_step: one factor
+        if slowdown is not None and neighbour_step is None:
+            _check_coefficient(f"{name}.neighbour_slowdown", slowdown)
+            neighbour_step = step.scaled(slowdown) if slowdown else None
         samples = d.get("samples") or []
         _require(isinstance(samples, list) and all(isinstance(s, dict) and "time_s" in s for s in samples),
                  f"role {name!r}: samples must be a list of objects with time_s")
@@ -265,7 +278,7 @@ class RoleProfile:
             step=step,
             fit=d.get("fit"),
             samples=tuple(samples),
-            neighbour_slowdown=d.get("neighbour_slowdown", 0.0),
+            neighbour_step=neighbour_step,
         )
 
 

@@ -94,7 +94,7 @@ class StepInstance:
         )
         self.scheduler = Scheduler(config, self.kv_cache)
         self.step_cost: StepCost = profile.step
-        self.neighbour_slowdown = profile.neighbour_slowdown
+        self.neighbour_step: StepCost | None = profile.neighbour_step
         self.neighbours: list = []  # the other instances on its host (set by the cluster)
         self.link = link  # prefill: where its KV leaves
         self.worker = WorkerInfo(worker_id, self.role, pid=0, host="sim", model_name=model_name,
@@ -128,7 +128,7 @@ class EncodeInstance:
         self.batch: list = []
         self.worker = WorkerInfo(worker_id, "encode", pid=0, host="sim", model_name=model_name,
                                  max_model_len=0, num_kv_blocks=0, block_size=0, endpoint=None)
-        self.neighbour_slowdown = 0.0  # encoder steps are not calibrated
+        self.neighbour_step = None  # encoder steps are not calibrated
         self.neighbours: list = []  # the other instances on its host (set by the cluster)
         self.is_busy = False
         self.num_steps = 0
