@@ -13,7 +13,7 @@ next to another such step than a prefill does. The result is a profile like any 
 simulator adds by the share of an instance's neighbours that are mid-step, and a
 ``calibration`` record of the factors and what they were measured on.
 
-The factor belongs to the packing it was measured on (which roles shared the host, at what
+The factors belong to the packing they were measured on (which roles shared the host, at what
 load); calibrate on the deployment the simulation is about.
 """
 
@@ -127,7 +127,7 @@ def fit_terms(walls: np.ndarray, parts: np.ndarray, overlap: np.ndarray) -> tupl
     relative residuals (a 20 ms decode step counts as much as a 300 ms prefill), each ``alone_g``
     held at 1 by a ridge of RIDGE per step. A group absent from every step keeps alone 1 and
     busy 0; without overlaps, busy is 0. Returns (alone, busy), one value per group."""
-    x = np.column_stack([parts, parts * overlap[:, None]]) / walls[:, None]
+    x = np.column_stack([parts, parts * overlap[:, None]]) / np.maximum(walls, 1e-9)[:, None]
     num_groups = parts.shape[1]
     present = np.concatenate([np.abs(parts).sum(axis=0) > 0] * 2)
     present[num_groups:] &= overlap.max() > 0
