@@ -123,8 +123,8 @@ class StepProbe:
         # come from wherever the queue hands out. A quarter of a decode entry's context counts
         # as decoded.
         num_prompt = num_tokens - (num_tokens // 4 if is_decode else 0)
-        if not kv_cache.allocate(request_id, 0, num_prompt) or not self._allocate_scattered(
-                request_id, num_prompt, num_tokens - num_prompt):
+        if not kv_cache.allocate(request_id, 0, num_prompt) or (
+                num_tokens > num_prompt and not self._allocate_scattered(request_id, num_prompt, num_tokens - num_prompt)):
             raise ConfigError(f"probe KV cache too small for a step of {num_tokens} tokens")
         tables = kv_cache.block_tables(request_id)
         if self.kv_target is not None and not is_decode:

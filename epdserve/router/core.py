@@ -30,7 +30,7 @@ from epdserve.errors import EpdserveError
 from epdserve.router.encode_stage import EncodeStage, PathImages
 from epdserve.router.images import ImageInput
 from epdserve.router.metrics import RouterMetrics
-from epdserve.router.workers import WorkerInfo, WorkerRegistry
+from epdserve.router.workers import DEFAULT_ROUTING, WorkerInfo, WorkerRegistry
 from epdserve.sampling import SamplingParams
 
 log = logging.getLogger("epdserve.router")
@@ -54,7 +54,7 @@ class RouterConfig:
     max_pending: int = 512  # requests in the router at once; beyond: 429
     max_waiting_per_worker: int = 256  # queued at one worker; beyond: 429
     encode_pipelined: bool = True  # prefill may start before all of a request's images are encoded
-    routing: str = "least-prefill"  # WorkerRegistry.pick's policy (checked there)
+    routing: str = DEFAULT_ROUTING  # WorkerRegistry.pick's policy (checked there)
 
     def __post_init__(self) -> None:
         if self.transfer_policy not in ("fail", "recompute"):

@@ -12,7 +12,7 @@ import sys
 import time
 
 from epdserve.errors import ConfigError
-from epdserve.router.workers import ROUTING_POLICIES
+from epdserve.router.workers import DEFAULT_ROUTING, ROUTING_POLICIES
 
 log = logging.getLogger("epdserve.serve")
 
@@ -32,7 +32,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--transfer-timeout", type=float, default=30.0, help="seconds for a KV transfer to land")
     g.add_argument("--transfer-policy", choices=("fail", "recompute"), default="fail")
     g.add_argument("--max-pending", type=int, default=512, help="requests in the server at once (then 429)")
-    g.add_argument("--routing", choices=ROUTING_POLICIES, default=ROUTING_POLICIES[0],
+    g.add_argument("--routing", choices=ROUTING_POLICIES, default=DEFAULT_ROUTING,
                    help="pick the worker with the fewest prompt tokens still to prefill (then fewest requests), "
                         "or by requests in hand alone")
     g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")

@@ -74,10 +74,11 @@ class WorkerInfo:
 
 # Routing policies (``epdserve serve --routing``): what ``WorkerRegistry.pick`` minimizes first.
 ROUTING_POLICIES = ("least-prefill", "least-requests")
+DEFAULT_ROUTING = ROUTING_POLICIES[0]
 
 
 class WorkerRegistry:
-    def __init__(self, routing: str = "least-prefill") -> None:
+    def __init__(self, routing: str = DEFAULT_ROUTING) -> None:
         if routing not in ROUTING_POLICIES:
             raise ConfigError(f"routing must be one of {', '.join(ROUTING_POLICIES)}, got {routing!r}")
         self.workers: dict[str, WorkerInfo] = {}

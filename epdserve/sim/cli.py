@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from epdserve.errors import ConfigError, EpdserveError
-from epdserve.router.workers import ROUTING_POLICIES
+from epdserve.router.workers import DEFAULT_ROUTING, ROUTING_POLICIES
 
 
 def _add_workload_args(p: argparse.ArgumentParser) -> None:
@@ -41,7 +41,7 @@ def _add_cluster_args(p: argparse.ArgumentParser) -> None:
     c.add_argument("--no-pipeline", action="store_true", help="prefill waits for all of a request's images")
     c.add_argument("--encode-batch-images", type=int, default=8, help="images per encoder batch")
     c.add_argument("--max-pending", type=int, default=None, help="router: requests at once (default: the router's 512)")
-    c.add_argument("--routing", choices=ROUTING_POLICIES, default=ROUTING_POLICIES[0],
+    c.add_argument("--routing", choices=ROUTING_POLICIES, default=DEFAULT_ROUTING,
                    help="router: the routing policy (as epdserve serve --routing)")
     c.add_argument("--max-waiting-per-worker", type=int, default=None, help="router: queued per worker (default 256)")
     c.add_argument("--heartbeat-s", type=float, default=0.2, help="load reports reach the router this often")

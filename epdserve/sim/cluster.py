@@ -209,7 +209,7 @@ class ClusterSim:
             if blocks is None:
                 return self._reject(index, num_prompt, reservation_refused(f"no room for {num_prompt + 1} tokens"))
             flight.decode = first
-            self._take(first, rid)
+            first.worker.take(rid)
         else:
             flight.colocated = first
         if self.recorder.is_detail(index):
@@ -235,16 +235,12 @@ class ClusterSim:
         else:
             target = flight.colocated
             request = Request(rid, prompt, self._sampling(flight.num_output), arrival_time=arrival)
-        self._take(target, rid, len(prompt))
+        target.worker.take(rid, len(prompt))
         request.record(EventType.ARRIVED, arrival)
         if self.num_image_tokens:
             self._submit_images(flight, request)
         target.scheduler.add_request(request)
         self._kick(target)
-
-    @staticmethod
-    def _take(inst: StepInstance | EncodeInstance, request_id: str, num_prefill_tokens: int = 0) -> None:
-        inst.worker.take(request_id, num_prefill_tokens)
 
     def _submit_images(self, flight: Flight, request: Request) -> None:
         w = self.workload
@@ -255,7 +251,7 @@ class ClusterSim:
             flight.mm_inputs.append(mm)
             encoder = self._pick("encode")
             flight.encoders[encoder] = flight.encoders.get(encoder, 0) + 1
-            self._take(encoder, flight.request_id)
+            encoder.worker.take(flight.request_id)
             encoder.queue.append((flight, k))
             self._kick_encoder(encoder)
         flight.num_pending_images = w.num_images

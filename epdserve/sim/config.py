@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from epdserve.errors import ConfigError
 from epdserve.router.admission import DEFAULT_MAX_PENDING, DEFAULT_MAX_WAITING_PER_WORKER
+from epdserve.router.workers import DEFAULT_ROUTING
 from epdserve.sim.instance import SHM_BYTES_PER_S
 from epdserve.sim.topology import Topology
 
@@ -27,7 +28,7 @@ class SimConfig:
     # Instances share hosts in creation order (encode, prefill, decode / colocated), this many
     # per host; a role's ``neighbour_step`` applies to the others on its host.
     instances_per_host: int = 1
-    routing: str = "least-prefill"  # the router's policy (WorkerRegistry.pick, which checks it)
+    routing: str = DEFAULT_ROUTING  # the router's policy (WorkerRegistry.pick, which checks it)
 
     def __post_init__(self) -> None:
         checks = [
