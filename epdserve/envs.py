@@ -32,3 +32,13 @@ def is_cpu_kernels_disabled() -> bool:
     compiled CPU kernels (e.g. paged decode attention)."""
     value = os.environ.get(EPDSERVE_DISABLE_CPU_KERNELS, "").strip().lower()
     return value in ("1", "true", "yes", "on")
+
+
+EPDSERVE_GC_FREEZE = "EPDSERVE_GC_FREEZE"
+
+
+def is_gc_freeze_enabled() -> bool:
+    """False when ``$EPDSERVE_GC_FREEZE`` is 0/false/no/off: the router and workers then leave
+    the objects alive at the end of start-up to the garbage collector (``epdserve/gc_heap.py``)."""
+    value = os.environ.get(EPDSERVE_GC_FREEZE, "").strip().lower()
+    return value not in ("0", "false", "no", "off")

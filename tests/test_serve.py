@@ -103,6 +103,10 @@ def test_n_seed_stop_timing_and_metrics(pd_shm):
         assert name in metrics
     kv_bytes = [line for line in metrics.splitlines() if line.startswith("epdserve_kv_transfer_bytes_total")]
     assert float(kv_bytes[0].split()[-1]) > 0
+    # The router froze its start-up heap, and times its collections (at least the one before the freeze).
+    values = {line.split()[0]: float(line.split()[1]) for line in metrics.splitlines() if line and not line.startswith("#")}
+    assert values["epdserve_router_gc_frozen_objects"] > 10_000
+    assert values['epdserve_router_gc_pause_seconds_count{generation="2"}'] >= 1
     pd_shm.wait_all_blocks_free()
 
 

@@ -30,6 +30,7 @@ from epdserve.cluster.router_link import connect_to_router, start_heartbeats
 from epdserve.config import resolve_device_name, resolve_dtype_name
 from epdserve.engine.encoder_runner import EncodeJob, EncodeResult, EncoderRunner
 from epdserve.errors import ConfigError
+from epdserve.gc_heap import freeze_startup_heap
 from epdserve.models.multimodal import load_multimodal_spec, load_vision_encoder
 from epdserve.transfer.slab import EmbeddingSlab
 from epdserve.transfer.slab_tcp import TcpSlabSender
@@ -89,6 +90,7 @@ class EncodeWorker:
                       num_encoder_cache_hits=cache.num_hits, num_encoder_cache_bytes=cache.num_bytes)
 
     def run(self) -> int:
+        freeze_startup_heap()  # the model, tokenizer and libraries: never garbage (epdserve/gc_heap.py)
         self.sock.send(m.encode(self.register()))
         start_heartbeats(self.ctx, self.opts.router, self.opts.worker_id, self.load, self.opts.heartbeat_s, self._stop)
         try:

@@ -31,6 +31,7 @@ from epdserve.cluster.worker_images import ConsumerImages, ImageOptions
 from epdserve.config import EngineArgs, resolve_device_name
 from epdserve.engine.engine import LLMEngine, RequestOutput
 from epdserve.errors import EpdserveError, InvalidRequestError
+from epdserve.gc_heap import freeze_startup_heap
 from epdserve.sampling import SamplingParams
 from epdserve.transfer.connector import KVPusher
 from epdserve.transfer.shm_pool import SharedKVPool
@@ -182,6 +183,7 @@ class Worker:
 
     # -- loops ---------------------------------------------------------------------------
     def run(self) -> int:
+        freeze_startup_heap()  # the model, tokenizer and libraries: never garbage (epdserve/gc_heap.py)
         self.sock.send(m.encode(self.register()))
         start_heartbeats(self.ctx, self.opts.router, self.opts.worker_id, self.load, self.opts.heartbeat_s, self._stop)
         poller = zmq.Poller()

@@ -27,6 +27,7 @@ import zmq.asyncio
 from epdserve.cluster import messages as m
 from epdserve.cluster.worker import sampling_to_dict
 from epdserve.errors import EpdserveError
+from epdserve.gc_heap import GCPauseObserver
 from epdserve.router.encode_stage import EncodeStage, PathImages
 from epdserve.router.images import ImageInput
 from epdserve.router.metrics import RouterMetrics
@@ -118,6 +119,7 @@ class Router:
         self.config = config or RouterConfig()
         self.registry = WorkerRegistry(self.config.routing)
         self.metrics = RouterMetrics()
+        self.gc_observer = GCPauseObserver(self.metrics.observe_gc_pause)
         self.ctx = zmq.asyncio.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -151,6 +153,7 @@ class Router:
             self._unwatch_fd(fd)
         self.sock.close()
         self.ctx.term()
+        self.gc_observer.close()
 
     async def wait_for_workers(
         self, roles: dict[str, int], timeout_s: float, alive: Callable[[], bool] = lambda: True

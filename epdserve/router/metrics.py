@@ -7,6 +7,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 # Seconds; fine at the low end, where decode gaps on a CPU sit.
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0,
                     1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_GC_PAUSE_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
 
 
 class RouterMetrics:
@@ -29,6 +30,11 @@ class RouterMetrics:
         self.encoder_cache_hits = Counter("epdserve_encoder_cache_hits_total", "Images served from an encoder's cache", registry=r)
         self.encode_time = Histogram("epdserve_image_encode_seconds", "Encode start to end, per image", buckets=_LATENCY_BUCKETS, registry=r)
         self.slab_rows_free = Gauge("epdserve_worker_embedding_slab_rows_free", "Free rows of a consumer's embedding slab", ["worker"], registry=r)
+        # The router's own process: a collection stops its event loop (every stream) while it runs.
+        self.gc_pause = Histogram("epdserve_router_gc_pause_seconds", "Garbage collections in the router process",
+                                  ["generation"], buckets=_GC_PAUSE_BUCKETS, registry=r)
+        self.gc_frozen = Gauge("epdserve_router_gc_frozen_objects",
+                               "Objects alive at the end of start-up, out of the collector's reach", registry=r)
         labels = ["worker", "role"]
         self.blocks_used = Gauge("epdserve_worker_kv_blocks_used", "KV blocks in use", labels, registry=r)
         self.blocks_free = Gauge("epdserve_worker_kv_blocks_free", "KV blocks free", labels, registry=r)
@@ -41,6 +47,9 @@ class RouterMetrics:
         self.waiting.labels(worker, role).set(waiting)
         self.blocks_used.labels(worker, role).set(used)
         self.blocks_free.labels(worker, role).set(free)
+
+    def observe_gc_pause(self, generation: int, seconds: float) -> None:
+        self.gc_pause.labels(str(generation)).observe(seconds)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -134,6 +134,7 @@ async def serve(ns: argparse.Namespace) -> int:
 
     from epdserve.cluster.local import LocalWorker, assign_cores, spawn_worker, stop_workers
     from epdserve.config import resolve_device_name
+    from epdserve.gc_heap import freeze_startup_heap
     from epdserve.models.loader import load_model_info
     from epdserve.models.multimodal import RANDOM_VISION_NOTICE, load_multimodal_spec
     from epdserve.router.api import ServedModel, create_app
@@ -189,6 +190,8 @@ async def serve(ns: argparse.Namespace) -> int:
                 print(f"epdserve: error: workers did not register within {ns.startup_timeout:g} s", file=sys.stderr)
             return 2
         app = create_app(router, served, ns.api_key)
+        # Start-up is done: what is alive now (framework, tokenizer, libraries) stays alive.
+        router.metrics.gc_frozen.set(freeze_startup_heap())
         # The listening socket exists before uvicorn runs: its port is known, and connections
         # made right after the ready line wait in its backlog.
         try:
