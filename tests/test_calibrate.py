@@ -91,6 +91,19 @@ def test_neighbour_slowdown_fitted_from_overlapping_steps(tmp_path):
     assert role.step.time_s(shape) == pytest.approx(pred, rel=0.05)
     with pytest.raises(ConfigError, match="since"):
         calibrate(cost, tmp_path, since=t + 1.0)
+    # Windows: steps 0-9 and 30-39 only (a step belongs to the window it begins in).
+    windows = [(lines_a[0][0], lines_a[10][0]), (lines_a[30][0], t)]
+    calibrated, result = calibrate(cost, tmp_path, windows=windows)
+    assert result["decode"].num_steps == 20
+    assert calibrated.raw["calibration"]["windows"] == windows
+    # Alone in the first window, next to the busy worker in the second: both times recovered.
+    role = calibrated.role("decode")
+    assert role.step.time_s(shape) == pytest.approx(1.1 * pred, rel=1e-2)
+    assert role.step.time_s(shape) + role.neighbour_step.time_s(shape) == pytest.approx(1.1 * 1.2 * pred, rel=1e-2)
+    with pytest.raises(ConfigError, match="1:2"):
+        calibrate(cost, tmp_path, windows=[(1.0, 2.0)])
+    with pytest.raises(ConfigError, match="must end after"):
+        calibrate(cost, tmp_path, windows=[(5.0, 5.0)])
 
 
 @pytest.mark.parametrize("files, message", [
@@ -121,6 +134,12 @@ def test_cli_writes_the_profile_and_bad_input_exits_2(tmp_path, capsys):
                  "--out", str(out)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("epdserve: error:") and len(err.strip().splitlines()) == 1
+    assert main(["calibrate", "--profile", str(profile), "--step-trace-dir", str(traces), "--window", "soon",
+                 "--out", str(out)]) == 2
+    assert "START:END" in capsys.readouterr().err
+    assert main(["calibrate", "--profile", str(profile), "--step-trace-dir", str(traces), "--window", "0:1e9",
+                 "--out", str(out)]) == 0
+    assert CostModel.load(out).raw["calibration"]["windows"] == [[0.0, 1e9]]
 
 
 def test_colocated_prefill_and_decode_terms_scaled_apart(tmp_path):

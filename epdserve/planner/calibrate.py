@@ -142,12 +142,17 @@ def fit_terms(walls: np.ndarray, parts: np.ndarray, overlap: np.ndarray) -> tupl
     return alone, busy
 
 
-def calibrate(cost: CostModel, trace_dir: Path, since: float | None = None) -> tuple[CostModel, dict[str, RoleCalibration]]:
+def calibrate(cost: CostModel, trace_dir: Path, since: float | None = None,
+              windows: list[tuple[float, float]] | None = None) -> tuple[CostModel, dict[str, RoleCalibration]]:
     """The profile with each traced role's step cost scaled to its steps in service: per term
     group, a factor for a step while no other traced worker is mid-step, and the extra while
     they all are (the neighbour step, applied by the share of the host's other instances that
     are mid-step). ``since``: only steps that began at or after this time (the traces' clock,
-    ``time.monotonic``), e.g. to leave out a warm-up."""
+    ``time.monotonic``), e.g. to leave out a warm-up; ``windows``: only steps that began in one
+    of these [start, end) spans (e.g. calibration runs between other work), both: in both."""
+    for start, end in windows or ():
+        if not start < end:
+            raise ConfigError(f"a calibration window must end after it starts, got {start:g}:{end:g}")
     files = sorted(Path(trace_dir).glob("*.jsonl"))
     if not files:
         raise ConfigError(f"no step traces (*.jsonl) in {trace_dir}; serve with --step-trace-dir {trace_dir}")
@@ -162,6 +167,8 @@ def calibrate(cost: CostModel, trace_dir: Path, since: float | None = None) -> t
     for trace in traces:
         # Overlaps are measured against every traced step, the role's fit only on steps since ``since``.
         keep = np.ones(len(trace.walls), dtype=bool) if since is None else trace.starts >= since
+        if windows:
+            keep &= np.any([(trace.starts >= a) & (trace.starts < b) for a, b in windows], axis=0)
         if trace.cpus is not None and trace.num_threads == 1:
             cpu.setdefault(trace.role, []).append((float(trace.cpus[keep].sum()), float(trace.walls[keep].sum())))
         parts = step_parts(cost.role(trace.role).step, [s for s, k in zip(trace.shapes, keep) if k])
@@ -172,7 +179,9 @@ def calibrate(cost: CostModel, trace_dir: Path, since: float | None = None) -> t
         walls, parts, overlap = (np.concatenate(g) for g in zip(*groups))
         if len(walls) < MIN_STEPS:
             raise ConfigError(f"only {len(walls)} {role} steps traced in {trace_dir}"
-                              + ("" if since is None else f" since {since:g}") + f"; calibrate needs at least {MIN_STEPS}")
+                              + ("" if since is None else f" since {since:g}")
+                              + ("" if not windows else " in " + ", ".join(f"{a:g}:{b:g}" for a, b in windows))
+                              + f"; calibrate needs at least {MIN_STEPS}")
         alone, busy = fit_terms(walls, parts, overlap)
         cpu_share = sum(c for c, _ in cpu[role]) / max(sum(w for _, w in cpu[role]), 1e-9) if role in cpu else None
         result[role] = RoleCalibration(role, len(walls), float(walls.sum()), float(parts.sum()),
@@ -183,7 +192,7 @@ def calibrate(cost: CostModel, trace_dir: Path, since: float | None = None) -> t
         neighbour = old.step.scaled(*cal.busy) if any(cal.busy) else None
         roles[role] = replace(old, step=old.step.scaled(*cal.alone), neighbour_step=neighbour)
     raw = dict(cost.raw)
-    raw["calibration"] = {"step_trace_dir": str(trace_dir), "since": since,
+    raw["calibration"] = {"step_trace_dir": str(trace_dir), "since": since, "windows": windows,
                           "roles": {r: c.to_dict() for r, c in result.items()}}
     return replace(cost, roles=roles, raw=raw), result
 
@@ -197,14 +206,29 @@ def add_calibrate_parser(subparsers: argparse._SubParsersAction) -> argparse.Arg
     p.add_argument("--since", type=float, default=None,
                    help="only steps that began at or after this time (the traces' clock: the host's "
                         "time.monotonic seconds), e.g. to leave out a warm-up")
+    p.add_argument("--window", action="append", default=None, metavar="START:END",
+                   help="only steps that began in [START, END) (the traces' clock); repeat it for several "
+                        "spans, e.g. calibration runs interleaved with other work")
     p.add_argument("--out", required=True, help="where to write the calibrated profile")
     p.set_defaults(func=run_calibrate_command)
     return p
 
 
+def parse_windows(values: list[str]) -> list[tuple[float, float]]:
+    """``START:END`` strings (``--window``) as (start, end) pairs."""
+    windows = []
+    for value in values:
+        try:
+            start, end = (float(x) for x in value.split(":"))
+        except ValueError:
+            raise ConfigError(f"--window takes START:END in seconds (the traces' clock), got {value!r}") from None
+        windows.append((start, end))
+    return windows
+
+
 def run_calibrate_command(ns: argparse.Namespace) -> int:
     cost = CostModel.load(ns.profile)
-    calibrated, result = calibrate(cost, Path(ns.step_trace_dir), ns.since)
+    calibrated, result = calibrate(cost, Path(ns.step_trace_dir), ns.since, parse_windows(ns.window or []))
     try:
         calibrated.save(ns.out)
     except OSError as e:
