@@ -1,6 +1,6 @@
 """Simulator fidelity: real epdserve against ``epdserve simulate`` on the same arrivals.
 
-    python benchmarks/sim_fidelity.py [--profile P] [--out out/sim_fidelity] [--quick] [--no-calibrate]
+    python benchmarks/sim_fidelity.py [--profile P] [--out out/sim_fidelity] [--quick] [--rounds N] [--no-calibrate]
 
 1. Profile this machine (``epdserve profile``, colocated workers at 1 thread: in both
    topologies every worker has one core), unless ``--profile`` is given.
@@ -9,17 +9,22 @@
 3. For each topology (colocated x2: two colocated workers on one core each; 1P1D: one prefill
    and one decode worker on one core each), start ``epdserve serve`` with step tracing, send
    an unscored warm-up, then (unless ``--no-calibrate``) unscored calibration runs at 0.75 x
-   and 1.25 x capacity with seeds of their own, and ``epdserve calibrate --since`` the profile
-   on the steps the workers traced in them (not the warm-up's). Then run ``epdserve bench serve`` at 0.5, 1.0 and 1.5 x capacity (each level
-   has prompts of its own fixed seed, so none hits the prefix cache).
+   and 1.25 x capacity with seeds of their own, and ``epdserve calibrate --window`` the profile
+   on the steps the workers traced in them (not the warm-up's). Then run ``epdserve bench serve``
+   at 0.5, 1.0 and 1.5 x capacity, in three rounds through the levels (every run has prompts of
+   its own seed, so none hits the prefix cache), with one more calibration run between rounds.
 4. Write each run's requests as a Mooncake trace (send time, prompt tokens as the server
-   counted them, output tokens) and replay it with ``epdserve simulate`` on the calibrated
-   profile, and on the offline profile for comparison.
-5. Per (topology, load): TTFT P50/P99, TPOT P50/P99 and goodput, real vs simulated, the
-   relative error of each cell, and whether it is within 10 %.
+   counted them, output tokens) and replay it with ``epdserve simulate`` on the profile
+   calibrated before the levels; for comparison, on the offline profile and on one calibrated
+   on every calibration run (before and between the rounds: the host's speed over the same
+   minutes as the levels, which drifts by up to 9 % from one minute to the next here).
+5. Per (topology, load): TTFT P50/P99, TPOT P50/P99 and goodput, real vs simulated (each side
+   pooling the level's runs), the relative error of each cell, whether it is within 10 %, and
+   how far the level's real runs are from each other.
 
 Both sides are scored by the same function from per-request records: TTFT, TPOT =
-(E2E - TTFT)/(output - 1), goodput = requests meeting every SLO / (last finish - first send).
+(E2E - TTFT)/(output - 1), goodput = requests meeting every SLO / (last finish - first send),
+summed over a cell's runs.
 Writes ``results.json`` and ``report.md`` into the output directory.
 """
 
@@ -35,7 +40,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -83,10 +88,11 @@ class Scale:
     slo_tpot_ms: float
     profile_quick: bool
     cycle_kv_pool: bool  # warm up until every worker's KV pool has been allocated once
+    rounds: int  # real runs per level, in rounds through the levels; a cell pools its rounds' requests
 
 
-FULL = Scale(160, 16, 150, 256, 96, 0.25, (0.5, 1.0, 1.5), 1000.0, 80.0, False, True)
-QUICK = Scale(10, 4, 24, 64, 8, 0.25, (0.5, 1.0), 1000.0, 80.0, True, False)
+FULL = Scale(160, 16, 150, 256, 96, 0.25, (0.5, 1.0, 1.5), 1000.0, 80.0, False, True, 3)
+QUICK = Scale(10, 4, 24, 64, 8, 0.25, (0.5, 1.0), 1000.0, 80.0, True, False, 1)
 
 
 def epdserve(*args: str) -> list[str]:
@@ -104,26 +110,39 @@ def run_logged(cmd: list[str], log: list[str]) -> subprocess.CompletedProcess:
     return proc
 
 
-def score(result: dict, slo_ttft_ms: float, slo_tpot_ms: float) -> dict:
-    """The compared metrics from a bench-shaped result's per-request lists."""
-    ok = [i for i, err in enumerate(result["errors"]) if not err]
-    ttft = np.array([result["ttfts"][i] for i in ok]) * 1e3
-    e2e = np.array([result["latencies"][i] for i in ok]) * 1e3
-    out = np.array([result["output_lens"][i] for i in ok])
-    tpot = np.where(out > 1, (e2e - ttft) / np.maximum(out - 1, 1), 0.0)
-    starts = np.array(result["start_times"])
-    ends = np.array([result["start_times"][i] + result["latencies"][i] for i in range(len(starts))])
-    span_s = float(ends.max() - starts.min()) if len(starts) else 0.0
-    num_good = int(np.sum((ttft <= slo_ttft_ms) & (tpot <= slo_tpot_ms)))
-    has_tpot = out > 1
+def score(result: dict | list[dict], slo_ttft_ms: float, slo_tpot_ms: float) -> dict:
+    """The compared metrics from bench-shaped results' per-request lists. Several results (runs
+    of one level) are pooled: percentiles over all their requests, goodput = all requests meeting
+    the SLO / the runs' summed spans (each from its first send to its last finish)."""
+    results = result if isinstance(result, list) else [result]
+    ttft_parts, tpot_parts, has_tpot_parts = [], [], []
+    num_requests = num_ok = num_good = 0
+    span_s = 0.0
+    for r in results:
+        ok = [i for i, err in enumerate(r["errors"]) if not err]
+        ttft = np.array([r["ttfts"][i] for i in ok]) * 1e3
+        e2e = np.array([r["latencies"][i] for i in ok]) * 1e3
+        out = np.array([r["output_lens"][i] for i in ok])
+        tpot = np.where(out > 1, (e2e - ttft) / np.maximum(out - 1, 1), 0.0)
+        starts = np.array(r["start_times"])
+        if len(starts):
+            ends = np.array([r["start_times"][i] + r["latencies"][i] for i in range(len(starts))])
+            span_s += float(ends.max() - starts.min())
+        num_requests += len(starts)
+        num_ok += len(ok)
+        num_good += int(np.sum((ttft <= slo_ttft_ms) & (tpot <= slo_tpot_ms)))
+        ttft_parts.append(ttft)
+        tpot_parts.append(tpot)
+        has_tpot_parts.append(out > 1)
+    ttft, tpot, has_tpot = np.concatenate(ttft_parts), np.concatenate(tpot_parts), np.concatenate(has_tpot_parts)
     return {
-        "ttft_p50_ms": float(np.percentile(ttft, 50)) if ok else None,
-        "ttft_p99_ms": float(np.percentile(ttft, 99)) if ok else None,
+        "ttft_p50_ms": float(np.percentile(ttft, 50)) if num_ok else None,
+        "ttft_p99_ms": float(np.percentile(ttft, 99)) if num_ok else None,
         "tpot_p50_ms": float(np.percentile(tpot[has_tpot], 50)) if has_tpot.any() else None,
         "tpot_p99_ms": float(np.percentile(tpot[has_tpot], 99)) if has_tpot.any() else None,
         "goodput": num_good / span_s if span_s > 0 else 0.0,
-        "attainment": num_good / len(starts) if len(starts) else 0.0,
-        "num_failed": len(starts) - len(ok),
+        "attainment": num_good / num_requests if num_requests else 0.0,
+        "num_failed": num_requests - num_ok,
         "span_s": span_s,
     }
 
@@ -260,52 +279,100 @@ def run_topology(topology: str, profile: Path, capacities: dict[str, float], sca
             num_warmup = max(num_warmup, pool_cycling_prompts(profile, topology, scale))
         bench_serve(server.url, capacity, num_warmup, WARMUP_SEED, scale, out_dir / f"warmup_{name}.json", log)
         sim_profile = profile
+        windows: list[tuple[float, float]] = []  # the calibration runs' spans (the traces' clock)
+        offline_capacity = capacity
+
+        def calibration_run(k: int, load: float, path: Path) -> None:
+            wait_for_idle(pids, max_wait_idle_s)
+            start = time.monotonic()
+            bench_serve(server.url, load * offline_capacity, scale.num_calibration_prompts, CALIBRATION_SEED + k,
+                        scale, path, log)
+            windows.append((start, time.monotonic()))
+
+        def calibrate_on(out: Path) -> None:
+            # The workers' trace files are line-buffered: every step of the calibration runs is
+            # on disk. Only their steps are fitted: not the warm-up's (it starts on a fresh KV
+            # pool, whose steps ran faster until its free list had churned), not the levels'.
+            spans = [f"--window={a:.6f}:{b:.6f}" for a, b in windows]
+            run_logged(epdserve("calibrate", "--profile", str(profile), "--step-trace-dir", str(trace_dir), *spans,
+                                "--out", str(out)), log)
+
         if calibrate:
-            # Calibrate on the calibration runs' steps only: the warm-up starts on a fresh KV
-            # pool, and steps ran faster until its free list had churned.
-            since = time.monotonic()
             for k, load in enumerate(CALIBRATION_LOADS):
-                wait_for_idle(pids, max_wait_idle_s)
-                bench_serve(server.url, load * capacity, scale.num_calibration_prompts, CALIBRATION_SEED + k, scale,
-                            out_dir / f"calibration_{name}_x{load:g}.json", log)
+                calibration_run(k, load, out_dir / f"calibration_{name}_x{load:g}.json")
             sim_profile = out_dir / f"profile_calibrated_{name}.json"
-            # The workers' trace files are line-buffered: every step of the calibration runs
-            # is on disk; the levels' steps come later and are not read here.
-            run_logged(epdserve("calibrate", "--profile", str(profile), "--step-trace-dir", str(trace_dir),
-                                "--since", f"{since:.6f}", "--out", str(sim_profile)), log)
+            calibrate_on(sim_profile)
             # The levels are multiples of what the calibrated simulator says this deployment holds.
             capacity = estimate_capacity(sim_profile, topology, scale, out_dir / "capacity_calibrated", log)
             capacities[topology] = capacity
-        for index, level in enumerate(scale.load_levels):
+        # Rounds through the levels (0.5x, 1x, 1.5x, 0.5x, ...): the host's speed drifts from one
+        # minute to the next (benchmarks/served_step_drift.py), and each level's runs are spread
+        # over the whole stretch instead of sitting in one part of it.
+        runs: dict[float, list[tuple[dict, dict, dict | None]]] = {level: [] for level in scale.load_levels}
+        other_shares: dict[float, list[float]] = {level: [] for level in scale.load_levels}
+        for round_index in range(scale.rounds):
+            if calibrate and round_index > 0:
+                # One more calibration run between rounds (loads alternating): the interleaved
+                # calibration below fits these with the first ones, spanning the whole stretch.
+                k = len(windows)
+                load = CALIBRATION_LOADS[k % len(CALIBRATION_LOADS)]
+                calibration_run(k, load, out_dir / f"calibration_{name}_r{round_index + 1}_x{load:g}.json")
+            for index, level in enumerate(scale.load_levels):
+                rate = level * capacity
+                tag = f"{name}_x{level:g}" + (f"_r{round_index + 1}" if scale.rounds > 1 else "")
+                seed = index + 1 + 100 * round_index  # prompts of their own: no run hits another's prefix cache
+                wait_for_idle(pids, max_wait_idle_s)
+                with other_work(pids) as other:
+                    real = bench_serve(server.url, rate, scale.num_prompts, seed, scale, out_dir / f"real_{tag}.json",
+                                       log)
+                other_shares[level].append(other.value)
+                trace = ["--workload", "trace", str(out_dir / f"trace_{tag}.jsonl")]
+                write_trace(real, out_dir / f"trace_{tag}.jsonl")
+                sim = simulate(sim_profile, topology, trace, scale, out_dir / f"sim_{tag}.json", log)
+                offline = (simulate(profile, topology, trace, scale, out_dir / f"sim_offline_{tag}.json", log)
+                           if calibrate else None)
+                runs[level].append((real, sim, offline, tag))
+                print(format_rows([compare(topology, level, rate, [real], [sim], scale)]), flush=True)
+        interleaved_profile = None
+        if calibrate and len(windows) > len(CALIBRATION_LOADS):
+            # The calibration runs of the whole stretch, before and between the rounds: the
+            # host's speed over the same minutes as the levels (still other requests than theirs).
+            interleaved_profile = out_dir / f"profile_calibrated_{name}_interleaved.json"
+            calibrate_on(interleaved_profile)
+        for level in scale.load_levels:
+            reals, sims, offlines, tags = (list(x) for x in zip(*runs[level]))
             rate = level * capacity
-            tag = f"{name}_x{level:g}"
-            wait_for_idle(pids, max_wait_idle_s)
-            with other_work(pids) as other:
-                real = bench_serve(server.url, rate, scale.num_prompts, index + 1, scale, out_dir / f"real_{tag}.json",
-                                   log)
-            trace = ["--workload", "trace", str(out_dir / f"trace_{tag}.jsonl")]
-            write_trace(real, out_dir / f"trace_{tag}.jsonl")
-            sim = simulate(sim_profile, topology, trace, scale, out_dir / f"sim_{tag}.json", log)
-            cell = {**compare(topology, level, rate, real, sim, scale), "other_work_share": other.value,
+            cell = {**compare(topology, level, rate, reals, sims, scale), "other_work_share": max(other_shares[level]),
                     "profile": str(sim_profile)}
             if calibrate:
-                offline = simulate(profile, topology, trace, scale, out_dir / f"sim_offline_{tag}.json", log)
-                cell["offline"] = compare(topology, level, rate, real, offline, scale)
+                cell["offline"] = compare(topology, level, rate, reals, offlines, scale)
+            if interleaved_profile is not None:
+                inter = [simulate(interleaved_profile, topology,
+                                  ["--workload", "trace", str(out_dir / f"trace_{tag}.jsonl")], scale,
+                                  out_dir / f"sim_interleaved_{tag}.json", log) for tag in tags]
+                cell["interleaved"] = {**compare(topology, level, rate, reals, inter, scale),
+                                       "profile": str(interleaved_profile)}
             cells.append(cell)
-            print(format_rows([cells[-1]]), flush=True)
     finally:
         stop_server(server)
     return cells
 
 
-def compare(topology: str, level: float, rate: float, real: dict, sim: dict, scale: Scale) -> dict:
-    real_m = score(real, scale.slo_ttft_ms, scale.slo_tpot_ms)
-    sim_m = score(sim, scale.slo_ttft_ms, scale.slo_tpot_ms)
+def compare(topology: str, level: float, rate: float, reals: list[dict], sims: list[dict], scale: Scale) -> dict:
+    """One cell: the level's real runs pooled against the simulator's runs on their arrivals."""
+    real_m = score(reals, scale.slo_ttft_ms, scale.slo_tpot_ms)
+    sim_m = score(sims, scale.slo_ttft_ms, scale.slo_tpot_ms)
     errors = {k: relative_error(sim_m[k], real_m[k]) for k in METRICS}
+    per_run = [score(r, scale.slo_ttft_ms, scale.slo_tpot_ms) for r in reals] if len(reals) > 1 else []
+    # How far the real runs of this level are from each other: (max - min) / pooled, per metric.
+    spread = {k: (max(r[k] for r in per_run) - min(r[k] for r in per_run)) / real_m[k]
+              for k in METRICS if per_run and real_m[k] and all(r[k] is not None for r in per_run)}
     return {
-        "topology": topology, "load": level, "rate": rate, "real": real_m, "sim": sim_m, "rel_error": errors,
-        "is_within_goal": all(e is not None and abs(e) <= GOAL for e in errors.values()),
-        "real_ttft_breakdown_ms": real.get("ttft_breakdown_ms"), "sim_ttft_breakdown_ms": sim.get("ttft_breakdown_ms"),
+        "topology": topology, "load": level, "rate": rate, "num_runs": len(reals), "real": real_m, "sim": sim_m,
+        "rel_error": errors, "is_within_goal": all(e is not None and abs(e) <= GOAL for e in errors.values()),
+        "real_runs": per_run, "real_spread": spread,
+        "real_ttft_breakdown_ms": [r.get("ttft_breakdown_ms") for r in reals],
+        "sim_ttft_breakdown_ms": [s.get("ttft_breakdown_ms") for s in sims],
     }
 
 
@@ -326,6 +393,34 @@ def format_rows(cells: list[dict]) -> str:
     return markdown_table(HEADERS, rows)
 
 
+def format_spread(cells: list[dict]) -> str:
+    rows = []
+    for c in cells:
+        row = [c["topology"], f"{c['load']:g}x"]
+        for m in METRICS:
+            values = [r[m] for r in c["real_runs"] if r[m] is not None]
+            if m not in c["real_spread"] or not values:
+                row.append("—")
+                continue
+            digits = 2 if m == "goodput" else 0
+            inside = "in" if min(values) <= c["sim"][m] <= max(values) else "out"
+            row.append(f"{min(values):.{digits}f}–{max(values):.{digits}f} ({100 * c['real_spread'][m]:.0f} %) {inside}")
+        rows.append(row)
+    return markdown_table(["topology", "load", *(f"{m} real runs (spread) sim" for m in METRICS)], rows)
+
+
+def count_inside_spread(cells: list[dict]) -> tuple[int, int]:
+    """Cells whose simulated value lies between the lowest and highest of the real runs."""
+    inside = total = 0
+    for c in cells:
+        for m in METRICS:
+            values = [r[m] for r in c.get("real_runs", []) if r[m] is not None]
+            if len(values) > 1 and c["sim"][m] is not None:
+                total += 1
+                inside += min(values) <= c["sim"][m] <= max(values)
+    return inside, total
+
+
 def count_within(cells: list[dict]) -> tuple[int, int]:
     errors = [e for c in cells for e in c["rel_error"].values() if e is not None]
     return sum(1 for e in errors if abs(e) <= GOAL), len(errors)
@@ -339,9 +434,11 @@ def build_report(cells: list[dict], capacities: dict[str, float], scale: Scale, 
     lines = [
         "# sim_fidelity",
         "",
-        (f"Random workload: {scale.num_prompts} requests per level, {scale.input_len} prompt tokens and "
-         f"{scale.output_len} output tokens (±{100 * scale.range_ratio:.0f} %), Poisson arrivals, seed 1, 2, 3 "
-         f"for the levels, after {scale.num_warmup_prompts} unscored warm-up requests per server"
+        (f"Random workload: {scale.rounds} run(s) of {scale.num_prompts} requests per level, in rounds through the "
+         f"levels (the seed of level k in round r: k + 100 (r - 1)); a cell pools its runs' requests (percentiles "
+         f"over all of them, goodput over the runs' summed spans); {scale.input_len} prompt tokens and "
+         f"{scale.output_len} output tokens (±{100 * scale.range_ratio:.0f} %), Poisson arrivals; "
+         f"after {scale.num_warmup_prompts} unscored warm-up requests per server"
          + (" or as many as cycle every worker's KV pool once (`warmup_*.json`). " if scale.cycle_kv_pool else ". ")
          + f"SLO: TTFT ≤ {scale.slo_ttft_ms:g} ms and TPOT ≤ {scale.slo_tpot_ms:g} ms. Loads are multiples of the "
          f"capacity the simulator estimates from the {'calibrated' if calibrated else 'offline'} profile (highest "
@@ -358,20 +455,29 @@ def build_report(cells: list[dict], capacities: dict[str, float], scale: Scale, 
             (f"Simulated on the calibrated profile: before the levels, each server ran {scale.num_calibration_prompts} "
              "unscored requests at each of " + " and ".join(f"{x:g}x" for x in CALIBRATION_LOADS)
              + f" the offline capacity estimate (seeds {CALIBRATION_SEED}+) with its workers tracing "
-             "their steps, and `epdserve calibrate --since` (the calibration runs' steps, not the warm-up's) "
+             "their steps, and `epdserve calibrate --window` (the calibration runs' steps, not the warm-up's) "
              "fitted each role's traced step times against the profile's prediction for the same shapes: per "
              "term group (base, prefill terms, decode terms) a factor for a step while the other worker is "
              "idle, and the extra while it is mid-step (simulated with `--instances-per-host 2`):"),
             "",
-            *[f"- {topology}: " + "; ".join(
-                f"{role}: " + ", ".join(f"{term} × {cal['alone'][term]:.3f} (+{cal['busy'][term]:.3f} next to a busy "
-                                        "worker)" for term in cal["alone"])
-                + f" ({cal['num_steps']} steps; served / predicted overall {cal['factor']:.3f})"
-                for role, cal in factors.items())
-              for topology, factors in calibration_factors(cells).items()],
+            *format_factors(calibration_factors(cells)),
             "",
         ]
     lines += [format_rows(cells), "", f"Cells within {100 * GOAL:.0f} %: {num_within} of {num_cells}.", ""]
+    if any(c.get("real_runs") for c in cells):
+        num_inside, num_spread = count_inside_spread(cells)
+        lines += [("The real runs of each level against each other: each metric's lowest and highest over the runs, "
+                  "their spread ((highest - lowest) / pooled), and whether the simulator's pooled value lies "
+                  "between them:"), "", format_spread(cells), "",
+                  f"Simulated value within the real runs' range: {num_inside} of {num_spread}.", ""]
+    interleaved = [{**c["interleaved"], "other_work_share": c["other_work_share"]} for c in cells if "interleaved" in c]
+    if interleaved:
+        in_within, in_cells = count_within(interleaved)
+        lines += [("The same real runs simulated on a profile calibrated on every calibration run of the stretch: "
+                   "the two before the levels and one between each two rounds (alternating loads, seeds of their "
+                   "own), so that the calibrated speed is the host's over the same minutes as the levels' runs "
+                   "(never their requests):"), "", *format_factors(calibration_factors(interleaved)), "",
+                  format_rows(interleaved), "", f"Cells within {100 * GOAL:.0f} %: {in_within} of {in_cells}.", ""]
     if calibrated:
         off_within, off_cells = count_within(offline)
         lines += ["The same real runs simulated on the offline profile (no calibration):", "", format_rows(offline), "",
@@ -379,6 +485,15 @@ def build_report(cells: list[dict], capacities: dict[str, float], scale: Scale, 
     lines += ["Commands:", "",
               *[f"- `{c}`" for c in commands if not c.startswith("epdserve simulate") or "trace" in c], ""]
     return "\n".join(lines)
+
+
+def format_factors(factors: dict[str, dict]) -> list[str]:
+    """One bullet per topology: each role's calibrated factors."""
+    return [f"- {topology}: " + "; ".join(
+        f"{role}: " + ", ".join(f"{term} × {cal['alone'][term]:.3f} (+{cal['busy'][term]:.3f} next to a busy worker)"
+                                for term in cal["alone"])
+        + f" ({cal['num_steps']} steps; served / predicted overall {cal['factor']:.3f})"
+        for role, cal in roles.items()) for topology, roles in factors.items()]
 
 
 def calibration_factors(cells: list[dict]) -> dict[str, dict]:
@@ -397,6 +512,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("out/sim_fidelity"))
     parser.add_argument("--only", choices=list(TOPOLOGIES), default=None, help="run just this topology")
     parser.add_argument("--quick", action="store_true", help="tiny sizes: checks that everything runs")
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="real runs per level, in rounds through the levels (default: 3; --quick: 1)")
     parser.add_argument("--busy-neighbours", action="store_true",
                         help="profile each role next to a busy worker on the other core (epdserve profile flag)")
     parser.add_argument("--no-calibrate", action="store_true",
@@ -405,6 +522,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="before each level, wait up to this long for other work to leave the CPUs")
     ns = parser.parse_args(argv)
     scale = QUICK if ns.quick else FULL
+    if ns.rounds is not None:
+        if ns.rounds < 1:
+            parser.error("--rounds must be at least 1")
+        scale = replace(scale, rounds=ns.rounds)
     out_dir: Path = ns.out
     out_dir.mkdir(parents=True, exist_ok=True)
     busy = cpu_busy_share()
