@@ -165,7 +165,8 @@ def calibrate(cost: CostModel, trace_dir: Path, since: float | None = None,
     by_role: dict[str, list[tuple[np.ndarray, ...]]] = {}
     cpu: dict[str, list[tuple[float, float]]] = {}  # one-thread workers: (CPU s, served s)
     for trace in traces:
-        # Overlaps are measured against every traced step, the role's fit only on steps since ``since``.
+        # Overlaps are measured against every traced step, the role's fit only on the steps kept
+        # (``since``, ``windows``).
         keep = np.ones(len(trace.walls), dtype=bool) if since is None else trace.starts >= since
         if windows:
             keep &= np.any([(trace.starts >= a) & (trace.starts < b) for a, b in windows], axis=0)
