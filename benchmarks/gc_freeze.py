@@ -17,27 +17,16 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
-import sys
 from pathlib import Path
 
 import httpx
+from routing import SERVE, bench  # benchmarks/routing.py: the same server layout and load client
 
 from epdserve.bench.experiments.launch import start_server, stop_server
 
-SERVE = ["--colocated-workers", "2", "--cores-per-worker", "1", "--kv-cache-memory", "1", "--max-model-len", "1024"]
 ARMS = {"frozen": None, "not frozen": "0"}  # arm -> EPDSERVE_GC_FREEZE
 WARMUP_PROMPTS = 100
 SLOW_S = 0.05
-
-
-def bench(url: str, rate: float, num_prompts: int, seed: int, out: Path) -> dict:
-    cmd = [sys.executable, "-m", "epdserve.cli", "bench", "serve", "--base-url", url, "--dataset", "random",
-           "--num-prompts", str(num_prompts), "--random-input-len", "256", "--random-output-len", "96",
-           "--random-range-ratio", "0.25", "--request-rate", f"{rate:g}", "--seed", str(seed),
-           "--result-json", str(out), "--disable-tqdm"]
-    subprocess.run(cmd, check=True, capture_output=True, text=True)
-    return json.loads(out.read_text())
 
 
 def full_collections(url: str) -> dict[str, float]:

@@ -24,7 +24,7 @@
 
 Both sides are scored by the same function from per-request records: TTFT, TPOT =
 (E2E - TTFT)/(output - 1), goodput = requests meeting every SLO / (last finish - first send),
-summed over a cell's runs.
+for a cell of several runs their good requests over their spans, each summed.
 Writes ``results.json`` and ``report.md`` into the output directory.
 """
 
@@ -308,7 +308,7 @@ def run_topology(topology: str, profile: Path, capacities: dict[str, float], sca
         # Rounds through the levels (0.5x, 1x, 1.5x, 0.5x, ...): the host's speed drifts from one
         # minute to the next (benchmarks/served_step_drift.py), and each level's runs are spread
         # over the whole stretch instead of sitting in one part of it.
-        runs: dict[float, list[tuple[dict, dict, dict | None]]] = {level: [] for level in scale.load_levels}
+        runs: dict[float, list[tuple[dict, dict, dict | None, str]]] = {level: [] for level in scale.load_levels}
         other_shares: dict[float, list[float]] = {level: [] for level in scale.load_levels}
         for round_index in range(scale.rounds):
             if calibrate and round_index > 0:
