@@ -15,27 +15,18 @@ how well a calibration run minutes earlier can predict a later one.
 from __future__ import annotations
 
 import argparse
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
+from routing import SERVE, bench  # benchmarks/routing.py: the same server layout and load client
 
 from epdserve.bench.experiments.launch import start_server, stop_server
 from epdserve.planner.calibrate import busy_overlap, read_step_trace
 from epdserve.sim.cost_model import CostModel
 
-SERVE_FLAGS = ["--colocated-workers", "2", "--cores-per-worker", "1", "--kv-cache-memory", "1", "--max-model-len", "1024"]
 WARMUP = (3.64, 266, 1000)  # rate, requests, seed
 WINDOW_PROMPTS = 150
-
-
-def bench(url: str, rate: float, num_prompts: int, seed: int, out: Path) -> None:
-    subprocess.run([sys.executable, "-m", "epdserve.cli", "bench", "serve", "--base-url", url, "--dataset", "random",
-                    "--num-prompts", str(num_prompts), "--random-input-len", "256", "--random-output-len", "96",
-                    "--random-range-ratio", "0.25", "--request-rate", f"{rate:g}", "--seed", str(seed),
-                    "--disable-tqdm", "--result-json", str(out)], check=True, capture_output=True)
 
 
 def report(trace_dir: Path, profile: Path, windows: list[tuple[str, float, float]]) -> list[str]:
@@ -74,7 +65,7 @@ def main() -> None:
     trace_dir = ns.out / "steps"
     for old in trace_dir.glob("*.jsonl"):
         old.unlink()
-    server = start_server([*SERVE_FLAGS, "--step-trace-dir", str(trace_dir)], ns.out / "logs")
+    server = start_server([*SERVE, "--step-trace-dir", str(trace_dir)], ns.out / "logs")
     windows = []
     try:
         rate, num_prompts, seed = WARMUP
