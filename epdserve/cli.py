@@ -19,7 +19,7 @@ EXIT_USAGE = 2
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("engine")
     g.add_argument("--model", default=None, help="GGUF file, Hugging Face directory, 'default' (SmolLM2-135M-Instruct) or 'gemma3'")
-    g.add_argument("--dtype", default="auto", help="auto (bfloat16), bfloat16, float32, float16")
+    g.add_argument("--dtype", default="auto", help="auto (bfloat16 on CUDA and on CPUs with native bf16 matmuls, else float32), bfloat16, float32, float16")
     g.add_argument("--device", default="auto", help="auto (cuda if present, else cpu), cpu, cuda, cuda:N")
     g.add_argument("--max-model-len", type=int, default=None, help="prompt + output tokens of one request")
     g.add_argument("--max-num-seqs", type=int, default=256, help="sequences running at once")

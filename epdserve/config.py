@@ -6,6 +6,7 @@ it into a frozen ``EngineConfig`` once the model's spec is known.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 from epdserve.errors import ConfigError
@@ -67,7 +68,7 @@ class EngineArgs:
     """User-facing options; "auto" and None are resolved against the model in ``resolve``."""
 
     model: str | None = None
-    dtype: str = "auto"  # bfloat16 on CPU and CUDA
+    dtype: str = "auto"  # bfloat16 on CUDA and on CPUs with a bf16 matmul path, else float32
     device: str = "auto"  # cuda when available, else cpu
     seed: int = 0
     max_model_len: int | None = None  # None: min(model's context length, 4096)
@@ -96,7 +97,7 @@ class EngineArgs:
             num_blocks = int(self.kv_cache_memory_gib * 2**30) // bytes_per_block
         return EngineConfig(
             model=self.model,
-            dtype=resolve_dtype_name(self.dtype),
+            dtype=resolve_dtype_name(self.dtype, resolve_device_name(self.device)),
             device=resolve_device_name(self.device),
             seed=self.seed,
             scheduler=SchedulerConfig(
@@ -113,13 +114,27 @@ class EngineArgs:
         )
 
 
-def resolve_dtype_name(dtype: str) -> str:
+def resolve_dtype_name(dtype: str, device: str = "cpu") -> str:
+    """``auto`` -> bfloat16 on CUDA and on CPUs whose oneDNN has a bf16 matmul path
+    (AVX-512 or AMX); float32 on other CPUs (e.g. AVX2 only), where bf16 matmuls are emulated
+    and several times slower than float32. ``device``: a resolved device name."""
     if dtype == "auto":
-        return "bfloat16"
+        return "bfloat16" if not device.startswith("cpu") or cpu_has_fast_bf16() else "float32"
     aliases = {"bf16": "bfloat16", "fp32": "float32", "float": "float32", "fp16": "float16", "half": "float16"}
     name = aliases.get(dtype, dtype)
     _require(name in DTYPES, f"dtype must be auto or one of {', '.join(DTYPES)}, got {dtype!r}")
     return name
+
+
+@functools.cache
+def cpu_has_fast_bf16() -> bool:
+    """This CPU runs bf16 matmuls natively (oneDNN's own check: AVX-512 or AMX)."""
+    import torch
+
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):  # a torch build without oneDNN
+        return False
 
 
 def resolve_device_name(device: str) -> str:

@@ -47,7 +47,7 @@ def test_quick_run_writes_report_results_and_plots(tmp_path):
             assert cell["num_encoder_cache_hits"] == 0  # every image is distinct
             assert cell["num_images_per_request"] == (1 if load == "small" else 2)
     for arm in ("epd", "epd_no_pipeline"):
-        # every image crossed E -> P, and its bytes are tokens x hidden x 2
+        # every image crossed E -> P, and its bytes are tokens x hidden x dtype bytes
         expected = results["expected"]["loads"]["small"]["embedding_bytes_per_image"]
         assert results[arm]["embedding_bytes_per_image"] == expected
         assert results[arm]["kv_bytes_per_request"] > 0

@@ -66,8 +66,9 @@ class EncodeWorker:
         if opts.cores:
             os.sched_setaffinity(0, opts.cores)
             torch.set_num_threads(len(opts.cores))
-        dtype = getattr(torch, resolve_dtype_name(opts.dtype))
-        device = torch.device(resolve_device_name(opts.device))
+        device_name = resolve_device_name(opts.device)
+        dtype = getattr(torch, resolve_dtype_name(opts.dtype, device_name))
+        device = torch.device(device_name)
         self.spec = load_multimodal_spec(opts.model, opts.vision)
         encoder = load_vision_encoder(opts.model, dtype, device, vision=opts.vision, seed=opts.seed)
         self.runner = EncoderRunner(encoder, self.spec.policy, opts.cache_bytes)

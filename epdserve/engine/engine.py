@@ -77,8 +77,9 @@ class LLMEngine:
         kv_cache_allocator: KVCacheAllocator | None = None,
     ) -> None:
         """``kv_cache_allocator(shapes, dtype)`` places the KV pages (e.g. in shared memory)."""
-        dtype = getattr(torch, resolve_dtype_name(args.dtype))
-        device = torch.device(resolve_device_name(args.device))
+        device_name = resolve_device_name(args.device)
+        dtype = getattr(torch, resolve_dtype_name(args.dtype, device_name))
+        device = torch.device(device_name)
         self.loaded = loaded or load_model(args.model, dtype, device)
         spec = self.loaded.spec
         self.tokenizer = self.loaded.tokenizer

@@ -352,8 +352,9 @@ class EncoderProbe:
     """Times the vision tower (+ connector) on batches of random 512 x 512 tiles."""
 
     def __init__(self, multimodal: ModuleType, args: EngineArgs) -> None:
-        dtype = getattr(torch, resolve_dtype_name(args.dtype))
-        device = torch.device(resolve_device_name(args.device))
+        device_name = resolve_device_name(args.device)
+        dtype = getattr(torch, resolve_dtype_name(args.dtype, device_name))
+        device = torch.device(device_name)
         self.spec = multimodal.load_multimodal_spec(args.model)
         self.encoder = multimodal.load_vision_encoder(args.model, dtype, device, seed=args.seed)
         self._encode_images = multimodal.encode_images

@@ -239,23 +239,30 @@ def summarize_arm(cells: dict[str, dict], runs: dict[str, CellRun]) -> dict:
 
 
 def expected_bytes(scale: Scale) -> dict:
-    """What the formulas give: embedding bytes per image = image tokens x hidden x 2 B (bf16),
-    KV bytes per token = 2 (K and V) x layers x KV heads x head dim x 2 B."""
+    """What the formulas give: embedding bytes per image = image tokens x hidden x dtype bytes,
+    KV bytes per token = 2 (K and V) x layers x KV heads x head dim x dtype bytes, in the dtype
+    the servers' ``--dtype auto`` takes here (bf16: 2 B; float32 on a CPU without bf16: 4 B)."""
+    import torch
+
+    from epdserve.config import resolve_device_name, resolve_dtype_name
     from epdserve.models.image_processing import image_grid
     from epdserve.models.loader import load_model_info
     from epdserve.models.multimodal import load_multimodal_spec
 
+    dtype = resolve_dtype_name("auto", resolve_device_name("auto"))
+    dtype_bytes = torch.tensor([], dtype=getattr(torch, dtype)).element_size()
     spec = load_multimodal_spec(None, "default")
     model = load_model_info(None).spec
     loads = {}
     for load in scale.loads:
         grid = image_grid(load.width, load.height, spec.policy)
         loads[load.name] = {"num_tiles": grid.num_tiles, "num_image_tokens": spec.num_image_tokens(grid),
-                            "embedding_bytes_per_image": spec.embedding_bytes(grid)}
+                            "embedding_bytes_per_image": spec.embedding_bytes(grid, dtype_bytes)}
     return {
+        "dtype": dtype,
         "hidden_size": spec.hidden_size,
         "tokens_per_tile": spec.vision.tokens_per_tile,
-        "kv_bytes_per_token": 2 * model.num_layers * model.num_kv_heads * model.head_dim * 2,
+        "kv_bytes_per_token": 2 * model.num_layers * model.num_kv_heads * model.head_dim * dtype_bytes,
         "loads": loads,
     }
 

@@ -77,16 +77,22 @@ def ttft_table(results: dict, scale: Scale) -> str:
     return markdown_table(headers, rows)
 
 
+def _dtype_bytes(expected: dict) -> int:
+    """Bytes per element of the dtype the servers ran in (results before it was recorded: bf16)."""
+    return 4 if expected.get("dtype") == "float32" else 2
+
+
 def bytes_table(results: dict, scale: Scale) -> str:
     expected = results["expected"]
-    headers = ["arm", "load", "E→P B/image (measured)", "tokens × hidden × 2 B", "P→D KV B/request",
+    dtype_bytes = _dtype_bytes(expected)
+    headers = ["arm", "load", "E→P B/image (measured)", f"tokens × hidden × {dtype_bytes} B", "P→D KV B/request",
                "E→P : P→D"]
     rows = []
     for arm in arm_names(results, scale):
         for load in scale.loads:
             c, e = results[arm][load.name], expected["loads"][load.name]
             tokens, hidden = e["num_image_tokens"], expected["hidden_size"]
-            formula = f"{tokens} × {hidden} × 2 = {e['embedding_bytes_per_image']:,}"
+            formula = f"{tokens} × {hidden} × {dtype_bytes} = {e['embedding_bytes_per_image']:,}"
             rows.append([arm, load.name, _bytes(c["embedding_bytes_per_image"]), formula,
                          _bytes(c["kv_bytes_per_request"]), _x(c["e_to_p_over_p_to_d"], 3)])
     return markdown_table(headers, rows)
@@ -169,6 +175,8 @@ def goal_line(results: dict, scale: Scale) -> str:
 
 def why_lines(results: dict, scale: Scale) -> list[str]:
     """The explanation, with this run's numbers in it."""
+    expected = results["expected"]
+    dtype_bytes = _dtype_bytes(expected)
     small, multi, n = scale.loads[0].name, scale.loads[-1].name, scale.loads[-1].num_images
     enc1, enc2 = _bd(results, "epd", small, "encode_ms"), _bd(results, "colocated", small, "encode_ms")
     pre1, pre2 = _bd(results, "epd_no_pipeline", small, "prefill_ms"), _bd(results, "colocated", small, "prefill_ms")
@@ -182,7 +190,6 @@ def why_lines(results: dict, scale: Scale) -> list[str]:
     col_small, col_multi = _p50(results, "colocated", small), _p50(results, "colocated", multi)
     epd_small, epd_multi = _p50(results, "epd", small), _p50(results, "epd", multi)
     small_ratio, ratio = _div(epd_small, col_small), results["pipelined_over_unpipelined_multi"]
-    expected = results["expected"]
     lines = [
         (f"- Threads: one tile encodes in {enc1:.0f} ms on an encode worker's one core and in {enc2:.0f} ms on the "
          f"colocated worker's two threads ({_x(_div(enc1, enc2))}×); the small request's prefill takes {pre1:.0f} "
@@ -220,9 +227,11 @@ def why_lines(results: dict, scale: Scale) -> list[str]:
          f"{_x(_div(100.0, _div(pre1, pre2) or 1.0), 0)} % of the sum; prefill here is "
          f"{_x(_div(100 * pre_np, pre_np + enc_np), 0)} %. The seed's gain came with four extra encoder GPUs, "
          "not from splitting the same hardware."),
-        (f"- Bytes: an image token's embedding is {expected['hidden_size']} × 2 = {expected['hidden_size'] * 2:,} B "
-         f"and its KV {expected['kv_bytes_per_token']:,} B (2 × layers × KV heads × head dim × 2 B), so E→P is "
-         f"1/{_x(_div(expected['kv_bytes_per_token'], expected['hidden_size'] * 2), 0)} of P→D per image token "
+        (f"- Bytes: an image token's embedding is {expected['hidden_size']} × {dtype_bytes} = "
+         f"{expected['hidden_size'] * dtype_bytes:,} B ({expected.get('dtype', 'bfloat16')}) "
+         f"and its KV {expected['kv_bytes_per_token']:,} B (2 × layers × KV heads × head dim × {dtype_bytes} B), so "
+         f"E→P is 1/{_x(_div(expected['kv_bytes_per_token'], expected['hidden_size'] * dtype_bytes), 0)} of P→D "
+         "per image token "
          "and P→D also carries the text's KV. Both hops are shared-memory copies on one machine here."),
     ]
     busiest = max(((100 * results[a][load.name]["other_cpu_share"], f"{a}/{load.name}")

@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from epdserve.config import cpu_has_fast_bf16
+
 log = logging.getLogger(__name__)
 
 # Rows per call the packing is tuned for: a decode batch.
@@ -20,18 +22,17 @@ DEFAULT_BATCH_HINT = 64
 
 
 def can_pack(weight: torch.Tensor) -> bool:
-    return weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and weight.dim() == 2
+    """A bf16 CPU matrix, on a CPU where oneDNN has a bf16 matmul path (AVX-512 or AMX; on
+    others it refuses the packing and ``F.linear`` is the only path)."""
+    return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and weight.dim() == 2
+            and cpu_has_fast_bf16())
 
 
 def pack(weight: torch.Tensor, batch_hint: int = DEFAULT_BATCH_HINT) -> torch.Tensor | None:
     """The oneDNN layout of ``weight`` [out, in], or None where it cannot be packed."""
     if not can_pack(weight):
         return None
-    try:
-        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_hint)
-    except (RuntimeError, AttributeError) as e:  # a torch build without oneDNN
-        log.warning("cannot pre-pack linear weights (%s); using F.linear", e)
-        return None
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_hint)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None) -> torch.Tensor:
@@ -45,6 +46,10 @@ def prepack_model(model: nn.Module) -> int:
     count = 0
     for module in model.modules():
         if hasattr(module, "packed_weight") and isinstance(getattr(module, "weight", None), torch.Tensor):
-            module.packed_weight = pack(module.weight)
+            try:
+                module.packed_weight = pack(module.weight)
+            except (RuntimeError, AttributeError) as e:  # a torch build without oneDNN
+                log.warning("cannot pre-pack linear weights (%s); using F.linear", e)
+                return count
             count += module.packed_weight is not None
     return count
