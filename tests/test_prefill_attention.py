@@ -55,6 +55,7 @@ def test_blocked_as_accurate_as_torch_sdpa(monkeypatch) -> None:
     v = torch.randn(start + n, 3, 64, generator=gen).bfloat16()
     layer = attention.Attention(9, 3, 64, 0.125, layer_idx=0)
     expected = reference(q, k, v, start, 0.125)
+    monkeypatch.setattr(attention, "BLOCKED_CPU_PREFILL", True)
     blocked = (layer._attend(q, k, v, start).double() - expected).abs().mean()
     monkeypatch.setattr(attention, "BLOCKED_CPU_PREFILL", False)
     sdpa = (layer._attend(q, k, v, start).double() - expected).abs().mean()
@@ -64,6 +65,7 @@ def test_blocked_as_accurate_as_torch_sdpa(monkeypatch) -> None:
 def test_sliding_window_beyond_the_window_uses_the_masked_path(monkeypatch) -> None:
     """A window shorter than the keys is not the blocked path's case: the masked path runs."""
     called = []
+    monkeypatch.setattr(attention, "BLOCKED_CPU_PREFILL", True)
     monkeypatch.setattr(attention.Attention, "_attend_blocked", lambda *a: called.append(a))
     gen = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(200, 2, 32, generator=gen) for _ in range(3))
@@ -94,3 +96,23 @@ def test_scratch_buffers_serve_calls_inside_and_outside_inference_mode():
         again = layer._attend_blocked(q, k, v, 0)
     for out in (inside, outside, again):
         torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("fast_bf16", [True, False])
+def test_blocked_path_taken_only_where_measured_faster(monkeypatch, fast_bf16: bool) -> None:
+    """By default (``BLOCKED_CPU_PREFILL = None``) bf16 on a CPU with a bf16 matmul path takes the
+    blocked path and everything else torch's; True / False force either."""
+    monkeypatch.setattr(attention, "cpu_has_fast_bf16", lambda: fast_bf16)
+    called = []
+    monkeypatch.setattr(attention.Attention, "_attend_blocked", lambda *a: called.append(a[1].dtype))
+    layer = attention.Attention(4, 2, 32, 32**-0.5, layer_idx=0)
+    gen = torch.Generator().manual_seed(4)
+    for dtype in (torch.bfloat16, torch.float32):
+        q, k, v = (torch.randn(150, h, 32, generator=gen).to(dtype) for h in (4, 2, 2))
+        layer._attend(q, k, v, 0)
+    assert called == ([torch.bfloat16] if fast_bf16 else [])
+    for forced in (True, False):
+        monkeypatch.setattr(attention, "BLOCKED_CPU_PREFILL", forced)
+        called.clear()
+        layer._attend(q, k, v, 0)
+        assert called == ([torch.float32] if forced else [])

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from epdserve.config import cpu_has_fast_bf16
 from epdserve.models.layers import paged_attention_cpu
 
 
@@ -141,10 +142,10 @@ class Attention(nn.Module):
         """One sequence: q [n, H, D] at positions start_pos.., k/v [start_pos+n, KVH, D]."""
         num_queries, num_keys = q.shape[0], k.shape[0]
         if (
-            BLOCKED_CPU_PREFILL
-            and q.device.type == "cpu"
+            q.device.type == "cpu"
             and num_keys >= _BLOCKED_MIN_KEYS
             and (self.sliding_window is None or num_keys <= self.sliding_window)
+            and is_blocked_prefill(q.dtype)
         ):
             return self._attend_blocked(q, k, v, start_pos)
         qb = q.transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
@@ -234,8 +235,18 @@ class Attention(nn.Module):
 
 
 # Prefill attention on the CPU through Attention._attend_blocked rather than torch's
-# scaled_dot_product_attention (benchmarks/prefill_attention.py compares the two).
-BLOCKED_CPU_PREFILL = True
+# scaled_dot_product_attention (benchmarks/prefill_attention.py compares the two): True or
+# False forces one path; None takes the blocked one where it was measured faster, bf16 on a
+# CPU with a bf16 matmul path (1.4-2.5x). In float32 on an AVX2 CPU it ran 0.79-1.12x torch's.
+BLOCKED_CPU_PREFILL: bool | None = None
+
+
+def is_blocked_prefill(dtype: torch.dtype) -> bool:
+    """Whether CPU prefill attention in ``dtype`` takes ``Attention._attend_blocked``."""
+    if BLOCKED_CPU_PREFILL is not None:
+        return BLOCKED_CPU_PREFILL
+    return dtype == torch.bfloat16 and cpu_has_fast_bf16()
+
 # Queries per block in Attention._attend_blocked: 64 was fastest on one and two cores for
 # prompts of 56-2048 tokens (32 within 5 %, 128 and more up to 1.5x slower).
 _BLOCK_QUERIES = 64
