@@ -1,11 +1,13 @@
 """Simulator fidelity: real epdserve against ``epdserve simulate`` on the same arrivals.
 
     python benchmarks/sim_fidelity.py [--profile P] [--out out/sim_fidelity] [--quick] [--rounds N] [--no-calibrate]
+        [--slo-ttft-ms MS] [--slo-tpot-ms MS]
 
 1. Profile this machine (``epdserve profile``, colocated workers at 1 thread: in both
    topologies every worker has one core), unless ``--profile`` is given.
 2. Estimate each topology's capacity with the simulator: the highest rate whose SLO
-   attainment is >= 90 % on the random workload (256 in / 96 out tokens, +-25 %).
+   attainment is >= 90 % on the random workload (256 in / 96 out tokens, +-25 %). The SLO is
+   the flags' or, without them, scaled to this machine from the profile (``slo_from_profile``).
 3. For each topology (colocated x2: two colocated workers on one core each; 1P1D: one prefill
    and one decode worker on one core each), start ``epdserve serve`` with step tracing, send
    an unscored warm-up, then (unless ``--no-calibrate``) unscored calibration runs at 0.75 x
@@ -46,6 +48,7 @@ from pathlib import Path
 import numpy as np
 
 from epdserve.bench.experiments.launch import list_workers, start_server, stop_server
+from epdserve.sim.cost_model import CostModel, StepShape
 from epdserve.bench.experiments.report import (
     cpu_busy_share,
     machine_summary,
@@ -93,6 +96,22 @@ class Scale:
 
 FULL = Scale(160, 16, 150, 256, 96, 0.25, (0.5, 1.0, 1.5), 1000.0, 80.0, False, True, 3)
 QUICK = Scale(10, 4, 24, 64, 8, 0.25, (0.5, 1.0), 1000.0, 80.0, True, False, 1)
+# SLO from the profile (no --slo-ttft-ms / --slo-tpot-ms): TTFT within this many times one
+# prompt's prefill alone, TPOT within this many times a decode step of one sequence, on the
+# colocated role's cost. Runs 1-11 (docs/benchmarks.md) used a fixed 1000 / 80 ms
+# (--slo-ttft-ms 1000 --slo-tpot-ms 80), set for their AVX-512 host; on a slower host a decode
+# step of one sequence alone can take longer than 80 ms, and no rate would meet that SLO.
+SLO_TTFT_PREFILLS = 4.0
+SLO_TPOT_STEPS = 5.0
+
+
+def slo_from_profile(profile: Path, scale: Scale) -> tuple[float, float]:
+    """(TTFT, TPOT) SLO in ms, rounded to 10 ms, from the profile's colocated step cost."""
+    step = CostModel.load(profile).role("colocated").step
+    n = scale.input_len
+    prefill_s = step.time_s(StepShape(n, n * (n + 1) // 2, 0, 0))
+    decode_s = step.time_s(StepShape(0, 0, 1, scale.input_len + scale.output_len // 2))
+    return (round(SLO_TTFT_PREFILLS * prefill_s * 100) * 10.0, round(SLO_TPOT_STEPS * decode_s * 100) * 10.0)
 
 
 def epdserve(*args: str) -> list[str]:
@@ -520,12 +539,19 @@ def main(argv: list[str] | None = None) -> int:
                         help="simulate on the offline profile only (no calibration run)")
     parser.add_argument("--max-wait-idle-s", type=float, default=600.0,
                         help="before each level, wait up to this long for other work to leave the CPUs")
+    parser.add_argument("--slo-ttft-ms", type=float, default=None,
+                        help=f"TTFT SLO (default: {SLO_TTFT_PREFILLS:g} x one prompt's prefill on the profile)")
+    parser.add_argument("--slo-tpot-ms", type=float, default=None,
+                        help=f"TPOT SLO (default: {SLO_TPOT_STEPS:g} x a decode step of one sequence on the profile)")
     ns = parser.parse_args(argv)
     scale = QUICK if ns.quick else FULL
     if ns.rounds is not None:
         if ns.rounds < 1:
             parser.error("--rounds must be at least 1")
         scale = replace(scale, rounds=ns.rounds)
+    for flag, value in (("--slo-ttft-ms", ns.slo_ttft_ms), ("--slo-tpot-ms", ns.slo_tpot_ms)):
+        if value is not None and value <= 0:
+            parser.error(f"{flag} must be positive")
     out_dir: Path = ns.out
     out_dir.mkdir(parents=True, exist_ok=True)
     busy = cpu_busy_share()
@@ -539,6 +565,9 @@ def main(argv: list[str] | None = None) -> int:
                             *ENGINE_FLAGS, "--out", str(profile), "--disable-tqdm",
                             *(["--busy-neighbours"] if ns.busy_neighbours else []),
                             *(["--quick"] if scale.profile_quick else [])), commands)
+    auto_ttft_ms, auto_tpot_ms = slo_from_profile(profile, scale)
+    scale = replace(scale, slo_ttft_ms=ns.slo_ttft_ms or auto_ttft_ms, slo_tpot_ms=ns.slo_tpot_ms or auto_tpot_ms)
+    print(f"SLO: TTFT <= {scale.slo_ttft_ms:g} ms, TPOT <= {scale.slo_tpot_ms:g} ms", flush=True)
     topologies = [ns.only] if ns.only else list(TOPOLOGIES)
     started = time.time()
     capacities = {t: estimate_capacity(profile, t, scale, out_dir / "capacity", commands) for t in topologies}

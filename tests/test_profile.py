@@ -7,12 +7,15 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
 
 from epdserve.engine.scheduler import ScheduledRequest, SchedulerOutput
-from epdserve.planner.profile import fit_line, worst_fitted
+from epdserve.errors import ConfigError
+from epdserve.planner import profile
+from epdserve.planner.profile import fit_line, median_time_s, worst_fitted
 from epdserve.planner.profile_grid import FULL_GRID, QUICK_GRID, StepPoint
 from epdserve.request import Request
 from epdserve.sampling import SamplingParams
@@ -78,6 +81,32 @@ def test_grid_points_respect_role_limits():
     assert all(p.num_decode_seqs and not p.prefills for p in FULL_GRID.points("decode", 2048, 256, 4096))
     colocated = FULL_GRID.points("colocated", 2048, 256, 4096)
     assert any(p.prefills and p.num_decode_seqs for p in colocated)  # mixed steps
+
+
+@pytest.mark.parametrize("step_s,expected_runs", [
+    (0.01, 7),  # short: repeated until min_time_s (0.3 s) or max_repeats
+    (0.2, 3),  # min_repeats
+    (1.2, 3),  # three runs take 3.6 s: the third starts at 2.4 s, under max_point_s
+    (2.0, 2),  # past max_point_s (3 s) after two
+    (3.0, 0),  # the first call took max_point_s: it is the measurement, no warm-up
+    (5.0, 0),
+])
+def test_repeats_follow_step_length(monkeypatch, step_s: float, expected_runs: int):
+    clock = [0.0]
+    monkeypatch.setattr(profile.time, "perf_counter", lambda: clock[0])
+    calls = []
+
+    def run() -> None:
+        calls.append(1)
+        clock[0] += step_s
+
+    assert median_time_s(run, FULL_GRID) == pytest.approx(step_s)
+    assert len(calls) == 1 + expected_runs  # the warm-up call is not timed
+
+
+def test_grid_needs_a_positive_point_budget():
+    with pytest.raises(ConfigError, match="max_point_s"):
+        replace(FULL_GRID, max_point_s=0.0)
 
 
 def test_worst_fitted_picks_the_outliers():

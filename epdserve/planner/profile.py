@@ -12,7 +12,8 @@ its worker gets (``torch.set_num_threads`` and core pinning, restored afterwards
     encode     1 thread    vision tower, 1..8 tiles of 512 x 512
 
 A point is timed after one warm-up run, ``min_repeats`` .. ``max_repeats`` times (until
-``min_time_s`` has passed), and its median kept. The samples are fitted per role with
+``min_time_s`` has passed; fewer, down to one, once its runs took ``max_point_s``; a first run
+that long is the only one), and its median kept. The samples are fitted per role with
 ``StepCost.fit``; the file keeps samples and fit quality next to the coefficients.
 """
 
@@ -84,11 +85,21 @@ def worker_threads(num_threads: int) -> Iterator[None]:
 
 
 def median_time_s(run: Callable[[], object], grid: ProfileGrid) -> float:
-    """Median wall time of ``run`` after one warm-up call (seconds, ``time.perf_counter``)."""
+    """Median wall time of ``run`` after one warm-up call (seconds, ``time.perf_counter``):
+    ``min_repeats`` .. ``max_repeats`` runs, more while under ``min_time_s``, fewer once past
+    ``max_point_s``. A first call of ``max_point_s`` or more is the measurement itself: what a
+    warm-up absorbs (first-use allocations, page faults) is milliseconds against such a step."""
+    start = time.perf_counter()
     run()
+    first_s = time.perf_counter() - start
+    if first_s >= grid.max_point_s:
+        return first_s
     times: list[float] = []
     spent = 0.0
-    while len(times) < grid.min_repeats or (spent < grid.min_time_s and len(times) < grid.max_repeats):
+    while not times or (
+        (len(times) < grid.min_repeats and spent < grid.max_point_s)
+        or (spent < grid.min_time_s and len(times) < grid.max_repeats)
+    ):
         start = time.perf_counter()
         run()
         times.append(time.perf_counter() - start)
@@ -262,7 +273,10 @@ class Profiler:
                 samples.append(self.probe.measure(point, grid))
                 tick()
             cost, _ = StepCost.fit(samples)
-            worst = worst_fitted(samples, cost, num_remeasured(len(points)))
+            # Steps of max_point_s and more are not timed again: their noise is small against
+            # their length, and a second timing would cost as much as many short points.
+            worst = [i for i in worst_fitted(samples, cost, num_remeasured(len(points)))
+                     if samples[i][1] < grid.max_point_s]
             for i in worst:
                 shape, time_s = self.probe.measure(points[i], grid)
                 samples[i] = (shape, min(time_s, samples[i][1]))

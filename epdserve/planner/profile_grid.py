@@ -55,10 +55,16 @@ class ProfileGrid:
     min_repeats: int
     max_repeats: int
     min_time_s: float  # keep repeating (up to max_repeats) until this much time is spent
+    # A point whose runs took this long stops before min_repeats (after one run at least): a
+    # step of seconds varies little against its length, and the longest steps (2048 prompt
+    # tokens: 5-7 s on an AVX2 core in float32) would otherwise take most of the profile's time.
+    max_point_s: float = float("inf")
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_repeats <= self.max_repeats:
             raise ConfigError("profile grid needs 1 <= min_repeats <= max_repeats")
+        if not self.max_point_s > 0:
+            raise ConfigError("profile grid needs max_point_s > 0")
 
     def prefill_points(self) -> list[StepPoint]:
         points = [StepPoint(((0, n),)) for n in self.prefill_chunks]
@@ -100,6 +106,7 @@ FULL_GRID = ProfileGrid(
     min_repeats=3,
     max_repeats=7,
     min_time_s=0.3,
+    max_point_s=3.0,
 )
 QUICK_GRID = ProfileGrid(
     prefill_chunks=(8, 32, 64),
