@@ -1,12 +1,14 @@
 """Offline throughput: epdserve's engine beside vLLM's offline engine, in one run.
 
     .venv/bin/python benchmarks/offline_throughput.py [--num-prompts 64] [--input-len 256]
-        [--output-len 128] [--skip-vllm] [--json out.json]
+        [--output-len 128] [--dtype auto] [--skip-vllm] [--json out.json]
 
 Workload (as `vllm bench throughput --dataset-name random`): N prompts of random token ids,
-fixed output length, EOS ignored, bfloat16, all cores. Also reports the decode step time at
-batch 1 against the memory-bandwidth bound (weight bytes / measured copy bandwidth) and
-prefill tokens/s against the bf16 matmul bound (2 * params FLOPs per token / measured GEMM rate).
+fixed output length, EOS ignored, all cores, both engines in one dtype (``--dtype auto``: what
+epdserve serves with here, bfloat16 where the CPU has a bf16 matmul path, else float32). Also
+reports the decode step time at batch 1 against the memory-bandwidth bound (weight bytes /
+measured copy bandwidth) and prefill tokens/s against the matmul bound in that dtype (2 *
+params FLOPs per token / measured GEMM rate).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from epdserve.config import EngineArgs
+from epdserve.config import EngineArgs, resolve_dtype_name
 from epdserve.engine.engine import LLMEngine
 from epdserve.sampling import SamplingParams
 
@@ -37,7 +39,7 @@ def random_prompts(vocab_size: int, num: int, length: int, seed: int) -> list[li
 
 
 def run_epdserve(args: argparse.Namespace) -> dict:
-    engine = LLMEngine(EngineArgs(dtype="bfloat16", max_num_batched_tokens=args.max_num_batched_tokens))
+    engine = LLMEngine(EngineArgs(dtype=args.dtype, max_num_batched_tokens=args.max_num_batched_tokens))
     prompts = random_prompts(engine.loaded.spec.vocab_size, args.num_prompts, args.input_len, 0)
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
     engine.generate(random_prompts(engine.loaded.spec.vocab_size, 2, 32, 1), SamplingParams(max_tokens=4))
@@ -60,7 +62,7 @@ def run_vllm(args: argparse.Namespace) -> dict | None:
         return None
     model_dir = subprocess.run([str(PEER), "model-dir"], capture_output=True, text=True).stdout.strip()
     cmd = [
-        str(PEER), "bench", "throughput", "--model", model_dir, "--dtype", "bfloat16",
+        str(PEER), "bench", "throughput", "--model", model_dir, "--dtype", args.dtype,
         "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
         "--num-prompts", str(args.num_prompts), "--max-model-len", "4096",
         # vLLM reserves this share of the NUMA node's free memory at start and refuses to start
@@ -94,9 +96,9 @@ def copy_bandwidth_gbps(num_bytes: int = 512 * 2**20) -> float:
     return 2 * num_bytes / best / 1e9  # read + write
 
 
-def bf16_gemm_tflops(m: int = 2048, k: int = 576, n: int = 1536) -> float:
-    a = torch.randn(m, k, dtype=torch.bfloat16)
-    b = torch.randn(k, n, dtype=torch.bfloat16)
+def gemm_tflops(dtype: torch.dtype, m: int = 2048, k: int = 576, n: int = 1536) -> float:
+    a = torch.randn(m, k, dtype=dtype)
+    b = torch.randn(k, n, dtype=dtype)
     for _ in range(3):
         a @ b
     t = time.perf_counter()
@@ -130,7 +132,7 @@ def roofline(engine: LLMEngine) -> dict:
     t = time.perf_counter()
     engine.step()
     prefill_tps = 8 * 256 / (time.perf_counter() - t)
-    tflops = bf16_gemm_tflops()
+    tflops = gemm_tflops(next(model.parameters()).dtype)
     # Non-embedding parameters do the matmuls of a prompt token; the LM head runs once.
     flops_per_token = 2 * (num_params - vocab * engine.loaded.spec.hidden_size)
     return {
@@ -139,7 +141,7 @@ def roofline(engine: LLMEngine) -> dict:
         "decode_step_ms_batch1": decode_ms,
         "decode_bound_ms": bound_ms,
         "prefill_tokens_per_s": prefill_tps,
-        "bf16_gemm_tflops": tflops,
+        "gemm_tflops": tflops,
         "prefill_bound_tokens_per_s": tflops * 1e12 / flops_per_token,
     }
 
@@ -150,9 +152,12 @@ def main() -> int:
     parser.add_argument("--input-len", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument("--dtype", default="auto", help="auto: epdserve's default on this machine")
     parser.add_argument("--skip-vllm", action="store_true")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    args.dtype = resolve_dtype_name(args.dtype)
+    print(f"dtype {args.dtype}")
     torch.set_num_threads(os.cpu_count() or 1)
 
     ours = run_epdserve(args)
@@ -163,8 +168,8 @@ def main() -> int:
     print(f"decode step at batch 1: {roof['decode_step_ms_batch1']:.2f} ms; bandwidth bound "
           f"{roof['decode_bound_ms']:.2f} ms ({roof['weight_bytes'] / 1e6:.0f} MB weights, "
           f"{roof['copy_bandwidth_gbps']:.1f} GB/s copy)")
-    print(f"prefill: {roof['prefill_tokens_per_s']:.0f} tok/s; bf16 matmul bound "
-          f"{roof['prefill_bound_tokens_per_s']:.0f} tok/s ({roof['bf16_gemm_tflops']:.2f} TFLOP/s)")
+    print(f"prefill: {roof['prefill_tokens_per_s']:.0f} tok/s; {args.dtype} matmul bound "
+          f"{roof['prefill_bound_tokens_per_s']:.0f} tok/s ({roof['gemm_tflops']:.2f} TFLOP/s)")
     del engine
     vllm = None if args.skip_vllm else run_vllm(args)
     if vllm:
