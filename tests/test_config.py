@@ -1,4 +1,5 @@
-"""``--dtype auto`` follows the hardware; bf16 weights are packed only where oneDNN has a bf16 path."""
+"""``--dtype auto`` follows the hardware; bf16 weights are packed only where oneDNN has a bf16 path,
+and packed matmuls run padded row counts."""
 
 from __future__ import annotations
 
@@ -61,3 +62,27 @@ def test_bf16_weights_packed_where_supported() -> None:
     x = torch.randn(4, 16).to(torch.bfloat16)
     out = packed_linear.linear(x, model[0].weight, None, model[0].packed_weight)
     torch.testing.assert_close(out, x @ model[0].weight.T, rtol=2e-2, atol=2e-2)
+
+
+def test_padded_rows_bounds_the_shapes_and_the_waste() -> None:
+    sizes = [packed_linear.padded_rows(n) for n in range(1, 2049)]
+    assert sizes[:packed_linear.EXACT_ROWS] == list(range(1, packed_linear.EXACT_ROWS + 1))
+    for n, rows in enumerate(sizes, start=1):
+        assert n <= rows < n * 1.125 or n <= packed_linear.EXACT_ROWS
+    assert sizes == sorted(sizes) and len(set(sizes)) <= 110
+    assert packed_linear.padded_rows(2048) == 2048 and packed_linear.padded_rows(2049) == 2304
+
+
+@pytest.mark.parametrize("num_rows", [1, 64, 65, 130, 300])
+def test_packed_linear_with_padded_rows_matches_f_linear(num_rows: int) -> None:
+    """Through oneDNN's packed matmul (float32 packs on every x86 CPU) with rows padded and cut."""
+    gen = torch.Generator().manual_seed(num_rows)
+    weight, bias = torch.randn(48, 32, generator=gen), torch.randn(48, generator=gen)
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, packed_linear.DEFAULT_BATCH_HINT)
+    except (RuntimeError, AttributeError):
+        pytest.skip("this torch build cannot pack float32 weights for oneDNN")
+    x = torch.randn(num_rows, 32, generator=gen)
+    out = packed_linear.linear(x, weight, bias, packed)
+    assert out.shape == (num_rows, 48)
+    torch.testing.assert_close(out, torch.nn.functional.linear(x, weight, bias), rtol=1e-4, atol=1e-4)

@@ -35,10 +35,33 @@ def pack(weight: torch.Tensor, batch_hint: int = DEFAULT_BATCH_HINT) -> torch.Te
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_hint)
 
 
+def padded_rows(num_rows: int) -> int:
+    """The row count a packed matmul runs with: exact up to ``EXACT_ROWS``, above that rounded up
+    to a multiple of 1/8 of its power of two (65-128 by 8, 129-256 by 16, ...: under 1/8 extra).
+
+    oneDNN builds and caches a primitive per input shape, each with buffers of its own, and a
+    serving worker's steps have every row count from 1 to the token budget: with exact shapes
+    the process grew by gigabytes (``benchmarks/packed_linear_memory.py``); with these about
+    100 row counts up to 2048 it stays bounded.
+    """
+    if num_rows <= EXACT_ROWS:
+        return num_rows
+    step = 1 << (num_rows.bit_length() - 4)  # num_rows in (2^k, 2^(k+1)]: step 2^(k-3)
+    return -(-num_rows // step) * step
+
+
+EXACT_ROWS = 64  # decode batches: memory-bound, where padding rows would cost the most
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None) -> torch.Tensor:
     if packed is None or x.dim() != 2:
         return F.linear(x, weight, bias)
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    num_rows = x.shape[0]
+    rows = padded_rows(num_rows)
+    if rows != num_rows:
+        x = F.pad(x, (0, 0, 0, rows - num_rows))
+    out = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return out if rows == num_rows else out[:num_rows]
 
 
 def prepack_model(model: nn.Module) -> int:
