@@ -35,6 +35,9 @@ def pack(weight: torch.Tensor, batch_hint: int = DEFAULT_BATCH_HINT) -> torch.Te
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_hint)
 
 
+EXACT_ROWS = 64  # decode batches: memory-bound, where padding rows would cost the most
+
+
 def padded_rows(num_rows: int) -> int:
     """The row count a packed matmul runs with: exact up to ``EXACT_ROWS``, above that rounded up
     to a multiple of 1/8 of its power of two (65-128 by 8, 129-256 by 16, ...: under 1/8 extra).
@@ -49,8 +52,6 @@ def padded_rows(num_rows: int) -> int:
     step = 1 << (num_rows.bit_length() - 4)  # num_rows in (2^k, 2^(k+1)]: step 2^(k-3)
     return -(-num_rows // step) * step
 
-
-EXACT_ROWS = 64  # decode batches: memory-bound, where padding rows would cost the most
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None) -> torch.Tensor:

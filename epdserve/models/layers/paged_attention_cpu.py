@@ -9,7 +9,7 @@ several tasks (each token row is then one contiguous read), single KV heads othe
 query heads of a GQA group share each K/V row. With AVX-512, or AVX2 with FMA, and head_dim
 64/128/256 a head's query and accumulator live in vector registers (bf16 scores via vdpbf16ps
 where the CPU has it) and the softmax's exponentials are vectorized; other head sizes and CPUs
-use plain float32 loops (on an AVX2 CPU those ran 1.2-1.6x slower than torch's path at 8-32
+use plain float32 loops (on an AVX2 CPU those ran 1.5-1.8x slower than torch's path at 4-32
 sequences). Accumulation is float32 throughout.
 
 The C++ source is compiled at first use with ``torch.utils.cpp_extension.load_inline`` for
