@@ -111,9 +111,12 @@ class WorkerRegistry:
         both queue behind the prefill. All three are the router's own exact counts except
         free blocks, which come with the (lagging) heartbeats.
         """
-        candidates = self.ready(role)
-        if not candidates:
-            return None
-        if self.routing == "least-requests":
-            return min(candidates, key=lambda w: (len(w.request_ids), -w.load.num_free_blocks))
-        return min(candidates, key=lambda w: (w.num_prefill_tokens, len(w.request_ids), -w.load.num_free_blocks))
+        by_prefill = self.routing != "least-requests"
+        best, best_key = None, None
+        for w in self.workers.values():  # one pass, first of equals (a simulated router picks per request)
+            if w.role != role or not w.is_ready:
+                continue
+            key = (w.num_prefill_tokens if by_prefill else 0, len(w.request_ids), -w.load.num_free_blocks)
+            if best is None or key < best_key:
+                best, best_key = w, key
+        return best
