@@ -243,6 +243,33 @@ def test_fast_forward_gives_the_same_result_as_stepping(topology, blocks, budget
         assert a.num_steps == b.num_steps
 
 
+@pytest.mark.parametrize("blocks", [1000, 40])
+def test_reservations_beside_a_stretch_give_the_same_result_as_stepping(monkeypatch, blocks):
+    # A decode instance takes a reservation without cutting its decode stretch when the
+    # blocks fit beside the stretch's own; with few blocks some do not fit and cut it.
+    from epdserve.sim import fastforward
+
+    fits = []
+    free_after = fastforward.free_after
+
+    def counted(inst, stretch, num_free):
+        left = free_after(inst, stretch, num_free)
+        fits.append(left >= 7)  # the workload's prompts (<= 96 tokens) and first token: <= 7 blocks
+        return left
+
+    monkeypatch.setattr(fastforward, "free_after", counted)
+    w = random_workload(80, 6.0, 96, 60, 0.9, seed=7)
+    profile = profile_dict({**STEP, "per_decode_context_token_s": 1e-6}, num_kv_blocks=blocks)
+    stepped_sim, stepped = run(profile, "prefill=1,decode=2", w, is_fast_forward=False)
+    fast_sim, fast = run(profile, "prefill=1,decode=2", w, is_fast_forward=True)
+    assert any(fits) and (blocks > 100 or not all(fits))
+    for key in ("is_ok", "ttft", "latency", "output_len"):
+        assert np.array_equal(getattr(stepped, key), getattr(fast, key)), key
+    assert stepped.itls == fast.itls and stepped.errors == fast.errors
+    for a, b in zip(stepped_sim.instances, fast_sim.instances):
+        assert (a.num_steps, a.busy_s) == (b.num_steps, b.busy_s)
+
+
 # -- bad input ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("spec", ["", "colocated=0", "colocated=-1", "gpu=2", "colocated=2,prefill=1,decode=1",
                                   "decode=2", "prefill=1", "encode=1", "colocated", "colocated=x", "colocated=1,colocated=2"])

@@ -202,27 +202,49 @@ class ClusterSim:
         if self.num_image_tokens:
             prompt = [DUMMY_TOKEN_ID] * self.num_image_tokens + prompt
         flight = Flight(index, now, num_prompt, num_output, prompt)
-        self._sync(first)
         blocks = None
+        answer_at = None  # when a busy decode instance answers the reservation
         if self.is_split:
-            blocks = first.scheduler.reserve(rid, num_prompt)
+            blocks, answer_at = self._reserve(first, rid, num_prompt)
             if blocks is None:
                 return self._reject(index, num_prompt, reservation_refused(f"no room for {num_prompt + 1} tokens"))
             flight.decode = first
             first.worker.take(rid)
         else:
+            self._sync(first)
             flight.colocated = first
         if self.recorder.is_detail(index):
             flight.token_times = []
             self.detail_ids.add(rid)
         self.flights[rid] = flight
-        if self.is_split and first.is_busy:
+        if answer_at is not None:
             # A worker reads control messages between steps: the decode worker answers the
             # reservation when its step in flight ends, and only then does the router submit
             # the prompt to a prefill worker.
-            self._push(first.busy_until, RESERVED, (flight, blocks))
+            self._push(answer_at, RESERVED, (flight, blocks))
         else:
             self._submit(flight, blocks)
+
+    def _reserve(self, inst: StepInstance, rid: str, num_prompt: int) -> tuple[list[list[int]] | None, float | None]:
+        """The decode instance reserves blocks for the prompt and its first token: the blocks
+        (None: no room) and when the answer leaves (None: now, the instance is idle).
+
+        A decode-only stretch in flight keeps running when the reservation fits beside all of
+        its steps' blocks: a reservation changes no running sequence, so stepping would run the
+        same steps, and the step in flight ends when the stretch's step of that index does."""
+        stretch = inst.stretch
+        if stretch is not None:
+            kv = inst.kv_cache
+            num_free = kv.num_free_blocks()
+            if fastforward.free_after(inst, stretch, num_free) >= kv.num_blocks_for(num_prompt + 1):
+                blocks = inst.scheduler.reserve(rid, num_prompt)
+                if blocks is not None:
+                    stretch.free0 -= num_free - kv.num_free_blocks()
+                    return blocks, stretch.ends[fastforward.steps_done_before(stretch, self.now)]
+                return None, None
+        self._sync(inst)
+        blocks = inst.scheduler.reserve(rid, num_prompt)
+        return blocks, (inst.busy_until if blocks is not None and inst.is_busy else None)
 
     def _submit(self, flight: Flight, blocks: list[list[int]] | None) -> None:
         """The router submits the prompt: to a prefill instance (after the decode instance
@@ -397,6 +419,8 @@ class ClusterSim:
         rid = flight.request_id
         prefill, decode = flight.prefill, flight.decode
         self._sync(decode)
+        if not self.num_image_tokens:  # the decode request names its blocks by the same tokens
+            decode.kv_cache.adopt_block_hashes(rid, prefill.kv_cache.block_hashes(rid))
         prefill.scheduler.release_transfer(rid)
         prefill.worker.drop(rid)
         if flight.num_output == 1:

@@ -15,8 +15,10 @@ The scheduler's state after k steps is then produced with the engine's own KV ma
 one ``allocate`` per request for its k tokens (the same block count stepping allocates, from
 the same free queue; only which request holds which fresh block id differs, and fresh blocks
 carry no content), ``num_computed_tokens += k``, k dummy tokens, and ``cache_computed_blocks``.
-Anything that touches the instance mid-stretch (an arrival, a reservation, a KV hand-off)
-first materialises the completed steps and restarts the in-flight one with ``schedule()``.
+Anything that touches the instance mid-stretch (an arrival, a KV hand-off) first
+materialises the completed steps and restarts the in-flight one with ``schedule()``. A
+decode instance's reservation is the exception while it fits beside all of the stretch's
+blocks: it takes its blocks at once and leaves the stretch running (``free_after``).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ class Stretch:
         self.start_s = start_s
         self.ends = ends  # end time of step j (0-based)
         self.step_s = step_s
-        self.free0 = free0  # free blocks before the stretch
+        self.free0 = free0  # free blocks before the stretch, less reservations taken during it
         self.tokens = tokens  # per running request: num_tokens at the start
         self.tables = tables  # per running request: blocks held at the start
 
@@ -107,6 +109,12 @@ def try_start(inst: StepInstance, now: float, max_model_len: int) -> Stretch | N
         ends.append(t)
         steps.append(step_s)
     return Stretch(now, ends, steps, free, tokens, tables)
+
+
+def free_after(inst: StepInstance, stretch: Stretch, num_free: int) -> int:
+    """Blocks still free once every step of the stretch has allocated, of ``num_free`` free
+    now (none of its steps applied yet)."""
+    return num_free - _blocks_needed(stretch.tokens, stretch.tables, inst.kv_cache.block_size, stretch.num_steps)
 
 
 def advance(inst: StepInstance, stretch: Stretch, num_steps: int, token_times: dict) -> None:
