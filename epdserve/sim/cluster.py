@@ -231,20 +231,25 @@ class ClusterSim:
 
         A decode-only stretch in flight keeps running when the reservation fits beside all of
         its steps' blocks: a reservation changes no running sequence, so stepping would run the
-        same steps, and the step in flight ends when the stretch's step of that index does."""
+        same steps, and the step in flight ends when the stretch's step of that index does.
+        Otherwise the stretch ends with the step in flight, and the reservation is judged
+        against the blocks left after it, as stepping would."""
         stretch = inst.stretch
-        if stretch is not None:
-            kv = inst.kv_cache
-            num_free = kv.num_free_blocks()
-            if fastforward.free_after(inst, stretch, num_free) >= kv.num_blocks_for(num_prompt + 1):
-                blocks = inst.scheduler.reserve(rid, num_prompt)
-                if blocks is not None:
-                    stretch.free0 -= num_free - kv.num_free_blocks()
-                    return blocks, stretch.ends[fastforward.steps_done_before(stretch, self.now)]
+        if stretch is None:
+            blocks = inst.scheduler.reserve(rid, num_prompt)
+            return blocks, (inst.busy_until if blocks is not None and inst.is_busy else None)
+        kv = inst.kv_cache
+        need = kv.num_blocks_for(num_prompt + 1)
+        num_free = kv.num_free_blocks()
+        if fastforward.free_after(inst, stretch, num_free) < need:
+            self._sync(inst)
+            if fastforward.free_after(inst, stretch, num_free) < need:
                 return None, None
-        self._sync(inst)
         blocks = inst.scheduler.reserve(rid, num_prompt)
-        return blocks, (inst.busy_until if blocks is not None and inst.is_busy else None)
+        if blocks is None:
+            return None, None
+        stretch.free0 -= num_free - kv.num_free_blocks()
+        return blocks, stretch.ends[fastforward.steps_done_before(stretch, self.now)]
 
     def _submit(self, flight: Flight, blocks: list[list[int]] | None) -> None:
         """The router submits the prompt: to a prefill instance (after the decode instance
@@ -327,20 +332,17 @@ class ClusterSim:
         self._push_step_end(inst, now + step_s)
 
     def _sync(self, inst: StepInstance) -> None:
-        """Before anything touches a fast-forwarding instance: apply the steps that ended
-        before now and restart the one in flight as a normal step."""
+        """Before anything changes a fast-forwarding instance's requests (a new one joins its
+        queue or batch): its stretch ends with the step in flight, as that step runs the batch
+        it started with; the change applies from the next step."""
         stretch = inst.stretch
         if stretch is None:
             return
-        num_done = fastforward.steps_done_before(stretch, self.now)
-        fastforward.advance(inst, stretch, num_done, self._token_times(inst))
-        inst.stretch = None
-        inst.epoch += 1
-        inst.is_busy = False
-        saved_now = self.now
-        self.now = stretch.ends[num_done - 1] if num_done else stretch.start_s
-        self._kick_stepped(inst)
-        self.now = saved_now
+        num_steps = fastforward.steps_done_before(stretch, self.now) + 1
+        if num_steps < stretch.num_steps:
+            fastforward.truncate(stretch, num_steps)
+            inst.epoch += 1
+            self._push_step_end(inst, stretch.ends[-1])
 
     def _token_times(self, inst: StepInstance) -> dict:
         if not self.detail_ids:

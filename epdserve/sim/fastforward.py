@@ -15,10 +15,11 @@ The scheduler's state after k steps is then produced with the engine's own KV ma
 one ``allocate`` per request for its k tokens (the same block count stepping allocates, from
 the same free queue; only which request holds which fresh block id differs, and fresh blocks
 carry no content), ``num_computed_tokens += k``, k dummy tokens, and ``cache_computed_blocks``.
-Anything that touches the instance mid-stretch (an arrival, a KV hand-off) first
-materialises the completed steps and restarts the in-flight one with ``schedule()``. A
-decode instance's reservation is the exception while it fits beside all of the stretch's
-blocks: it takes its blocks at once and leaves the stretch running (``free_after``).
+A request that joins the instance mid-stretch (an arrival, a KV hand-off) ends the stretch
+with the step in flight (``truncate``): that step runs the batch it started with, and the
+new request is scheduled from the next step on. A decode instance's reservation changes no
+running sequence: it takes its blocks at once and leaves the stretch running while they fit
+beside all of the stretch's blocks (``free_after``).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from bisect import bisect_left, bisect_right
 from itertools import repeat
 
 from epdserve.cluster import messages as m
+from epdserve.request import Request
 from epdserve.sim.cost_model import StepShape
 from epdserve.sim.instance import StepInstance
 
@@ -34,16 +36,17 @@ MIN_STEPS = 3  # shorter stretches are stepped
 
 
 class Stretch:
-    __slots__ = ("ends", "free0", "start_s", "step_s", "tables", "tokens")
+    __slots__ = ("ends", "free0", "requests", "start_s", "step_s", "tables", "tokens")
 
     def __init__(self, start_s: float, ends: list[float], step_s: list[float], free0: int,
-                 tokens: list[int], tables: list[int]) -> None:
+                 requests: list[Request], tokens: list[int], tables: list[int]) -> None:
         self.start_s = start_s
         self.ends = ends  # end time of step j (0-based)
         self.step_s = step_s
         self.free0 = free0  # free blocks before the stretch, less reservations taken during it
-        self.tokens = tokens  # per running request: num_tokens at the start
-        self.tables = tables  # per running request: blocks held at the start
+        self.requests = requests  # the batch: the requests running at the start
+        self.tokens = tokens  # per request: num_tokens at the start
+        self.tables = tables  # per request: blocks held at the start
 
     @property
     def num_steps(self) -> int:
@@ -108,7 +111,7 @@ def try_start(inst: StepInstance, now: float, max_model_len: int) -> Stretch | N
         t = t + step_s
         ends.append(t)
         steps.append(step_s)
-    return Stretch(now, ends, steps, free, tokens, tables)
+    return Stretch(now, ends, steps, free, list(running), tokens, tables)
 
 
 def free_after(inst: StepInstance, stretch: Stretch, num_free: int) -> int:
@@ -125,7 +128,7 @@ def advance(inst: StepInstance, stretch: Stretch, num_steps: int, token_times: d
     if num_steps <= 0:
         return
     kv = inst.kv_cache
-    for r in inst.scheduler.running:
+    for r in stretch.requests:
         rid = r.request_id
         if not kv.allocate(rid, r.num_computed_tokens, num_steps):
             raise AssertionError(f"fast-forward: no blocks for {rid} (the stretch was sized to fit)")
@@ -141,6 +144,12 @@ def advance(inst: StepInstance, stretch: Stretch, num_steps: int, token_times: d
         inst.busy_s += step_s
 
 
+def truncate(stretch: Stretch, num_steps: int) -> None:
+    """Keep only the stretch's first ``num_steps`` steps (it now ends with the last of them)."""
+    del stretch.ends[num_steps:]
+    del stretch.step_s[num_steps:]
+
+
 def steps_done_before(stretch: Stretch, now: float) -> int:
     """Steps that ended strictly before ``now`` (an event at a step's end instant comes first)."""
     return bisect_left(stretch.ends, now)
@@ -152,4 +161,4 @@ def load(inst: StepInstance, stretch: Stretch, now: float) -> m.Load:
     num_started = min(bisect_right(stretch.ends, now) + 1, stretch.num_steps)
     free = stretch.free0 - _blocks_needed(stretch.tokens, stretch.tables, inst.kv_cache.block_size, num_started)
     used = inst.kv_cache.num_blocks - 1 - free
-    return m.Load(len(s.running), 0, free, used, len(s.reserved), len(s.transferring))
+    return m.Load(len(s.running), len(s.waiting), free, used, len(s.reserved), len(s.transferring))
