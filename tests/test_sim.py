@@ -243,6 +243,16 @@ def test_fast_forward_gives_the_same_result_as_stepping(topology, blocks, budget
         assert a.num_steps == b.num_steps
 
 
+def test_decode_step_times_are_time_s_exactly():
+    # A stretch's step times come from decode_times_s: the same floats as time_s per shape.
+    for coefficients in [(0.01, 1e-3, 1e-6, 2e-3, 1e-6), (0.02985, 3.504e-4, 4.597e-6, 6.26e-4, 0.0),
+                         (0.0, 0.0, 0.0, 1.859e-3, 3.3e-7)]:
+        cost = StepCost(*coefficients)
+        for num_seqs, context in [(1, 0), (7, 1234), (256, 90000)]:
+            expected = [cost.time_s(StepShape(0, 0, num_seqs, context + j * num_seqs)) for j in range(40)]
+            assert cost.decode_times_s(num_seqs, context, 40) == expected
+
+
 @pytest.mark.parametrize("blocks", [1000, 40])
 def test_reservations_beside_a_stretch_give_the_same_result_as_stepping(monkeypatch, blocks):
     # A decode instance takes a reservation without cutting its decode stretch when the

@@ -190,17 +190,19 @@ class BlockPool:
 
     def free(self, block_ids: list[int]) -> None:
         """Drop one reference each; the last blocks of a sequence are evicted first."""
+        ref_counts, block_hashes, plain, cached_free = self.ref_counts, self.block_hashes, self._plain, self._cached_free
         for block_id in reversed(block_ids):
             if block_id == NULL_BLOCK:
                 continue
-            self.ref_counts[block_id] -= 1
-            assert self.ref_counts[block_id] >= 0, f"block {block_id} freed twice"
-            if self.ref_counts[block_id] == 0:
-                if self.block_hashes[block_id] is None:
-                    self._plain[block_id] = None
-                    self._plain.move_to_end(block_id, last=False)
+            count = ref_counts[block_id] - 1
+            assert count >= 0, f"block {block_id} freed twice"
+            ref_counts[block_id] = count
+            if count == 0:
+                if block_hashes[block_id] is None:
+                    plain[block_id] = None
+                    plain.move_to_end(block_id, last=False)
                 else:
-                    self._cached_free[block_id] = None
+                    cached_free[block_id] = None
                     self._freed_at[block_id] = self._clock
                     self._clock += 1
 

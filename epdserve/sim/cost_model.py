@@ -116,6 +116,14 @@ class StepCost:
             + self.per_decode_context_token_s * shape.decode_context_tokens
         )
 
+    def decode_times_s(self, num_seqs: int, context: int, num_steps: int) -> list[float]:
+        """``time_s`` of ``num_steps`` decode-only steps of ``num_seqs`` sequences whose context
+        starts at ``context`` tokens and grows by ``num_seqs`` per step: the same floats (the
+        prefill terms add 0.0 to the base, exactly), without a shape per step."""
+        first = self.base_s + self.per_decode_seq_s * num_seqs
+        per_context = self.per_decode_context_token_s
+        return [first + per_context * (context + j * num_seqs) for j in range(num_steps)]
+
     def prefill_s(self, shape: StepShape) -> float:
         """The prefill terms' part of ``time_s``."""
         return (self.per_prefill_token_s * shape.num_prefill_tokens

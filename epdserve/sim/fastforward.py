@@ -25,11 +25,10 @@ beside all of the stretch's blocks (``free_after``).
 from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
-from itertools import repeat
+from itertools import accumulate, repeat
 
 from epdserve.cluster import messages as m
 from epdserve.request import Request
-from epdserve.sim.cost_model import StepShape
 from epdserve.sim.instance import StepInstance
 
 MIN_STEPS = 3  # shorter stretches are stepped
@@ -103,14 +102,9 @@ def try_start(inst: StepInstance, now: float, max_model_len: int) -> Stretch | N
         num_steps = lo
         if num_steps < MIN_STEPS:
             return None
-    cost = inst.step_cost
-    ends, steps = [], []
-    t = now
-    for j in range(num_steps):
-        step_s = cost.time_s(StepShape(0, 0, num_seqs, context + j * num_seqs))
-        t = t + step_s
-        ends.append(t)
-        steps.append(step_s)
+    steps = inst.step_cost.decode_times_s(num_seqs, context, num_steps)
+    ends = list(accumulate(steps, initial=now))
+    del ends[0]
     return Stretch(now, ends, steps, free, list(running), tokens, tables)
 
 
