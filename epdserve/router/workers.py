@@ -113,7 +113,9 @@ class WorkerRegistry:
         """
         by_prefill = self.routing != "least-requests"
         best, best_key = None, None
-        for w in self.workers.values():  # one pass, first of equals (a simulated router picks per request)
+        # One pass, the first of equals (as min() would): it runs for every request, over a
+        # hundred workers in a simulated cluster.
+        for w in self.workers.values():
             if w.role != role or not w.is_ready:
                 continue
             key = (w.num_prefill_tokens if by_prefill else 0, len(w.request_ids), -w.load.num_free_blocks)
