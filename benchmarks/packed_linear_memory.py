@@ -27,7 +27,7 @@ import time
 
 import torch
 
-from epdserve.config import cpu_has_fast_bf16
+from epdserve.config import resolve_dtype_name
 from epdserve.models.layers import packed_linear
 
 SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # qkv, o, gate_up, down: [out, in]
@@ -73,7 +73,7 @@ def main() -> int:
     parser.add_argument("--dtype", default="auto", help="auto: bfloat16 where oneDNN has a bf16 path, else float32")
     parser.add_argument("--arm", choices=ARMS, default=None, help=argparse.SUPPRESS)  # one arm, in a child
     ns = parser.parse_args()
-    dtype = ns.dtype if ns.dtype != "auto" else ("bfloat16" if cpu_has_fast_bf16() else "float32")
+    dtype = resolve_dtype_name(ns.dtype)
     if ns.arm is not None:
         print(json.dumps(run_arm(ns.arm, ns.calls, ns.max_rows, getattr(torch, dtype))))
         return 0

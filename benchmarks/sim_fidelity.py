@@ -48,7 +48,6 @@ from pathlib import Path
 import numpy as np
 
 from epdserve.bench.experiments.launch import list_workers, start_server, stop_server
-from epdserve.sim.cost_model import CostModel, StepShape
 from epdserve.bench.experiments.report import (
     cpu_busy_share,
     machine_summary,
@@ -56,6 +55,7 @@ from epdserve.bench.experiments.report import (
     markdown_table,
     process_ticks,
 )
+from epdserve.sim.cost_model import CostModel, StepShape
 
 TOPOLOGIES = {  # simulator topology -> serve flags (every worker on one core)
     "colocated=2": ["--colocated-workers", "2", "--cores-per-worker", "1"],

@@ -278,6 +278,7 @@ def test_reservations_beside_a_stretch_give_the_same_result_as_stepping(monkeypa
     assert stepped.itls == fast.itls and stepped.errors == fast.errors
     for a, b in zip(stepped_sim.instances, fast_sim.instances):
         assert (a.num_steps, a.busy_s) == (b.num_steps, b.busy_s)
+        assert a.kv_cache.is_all_free() and b.kv_cache.is_all_free()  # every block back, either way
 
 
 # -- bad input ---------------------------------------------------------------------------------

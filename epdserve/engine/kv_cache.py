@@ -414,29 +414,19 @@ class KVCacheManager:
 
     def _grow(self, request_id: str, num_tokens: int) -> bool | None:
         """``allocate`` for a request that holds blocks, without a prefix hit or a sliding
-        window (every decode step): its tables only ever grow at the end. None: not such a
-        request, take the general path."""
+        window (every decode step): its table only ever grows at the end. Without sliding
+        windows there is one group (``make_group_specs``). None: not such a request, take the
+        general path."""
         entry = self._requests.get(request_id)
-        if entry is None:
+        if entry is None or len(entry.tables) != 1:
             return None
-        total = -(-num_tokens // self.block_size)
-        tables = entry.tables
-        if len(tables) == 1:  # one attention kind (most models): no per-group loops
-            table, pool = tables[0], self.pools[0]
-            missing = total - len(table)
-            if missing <= 0:
-                return True
-            if missing > pool.num_free_blocks:
-                return False
-            table.extend(pool.allocate(missing, _last_block(table)))
+        table, pool = entry.tables[0], self.pools[0]
+        missing = -(-num_tokens // self.block_size) - len(table)
+        if missing <= 0:
             return True
-        if all(len(table) >= total for table in tables):
-            return True
-        if any(total - len(table) > pool.num_free_blocks for table, pool in zip(entry.tables, self.pools)):
+        if missing > pool.num_free_blocks:
             return False
-        for table, pool in zip(entry.tables, self.pools):
-            if total > len(table):
-                table.extend(pool.allocate(total - len(table), _last_block(table)))
+        table.extend(pool.allocate(missing, _last_block(table)))
         return True
 
     def _blocks_needed(

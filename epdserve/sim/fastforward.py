@@ -35,11 +35,10 @@ MIN_STEPS = 3  # shorter stretches are stepped
 
 
 class Stretch:
-    __slots__ = ("ends", "free0", "requests", "start_s", "step_s", "tables", "tokens")
+    __slots__ = ("ends", "free0", "requests", "step_s", "tables", "tokens")
 
-    def __init__(self, start_s: float, ends: list[float], step_s: list[float], free0: int,
-                 requests: list[Request], tokens: list[int], tables: list[int]) -> None:
-        self.start_s = start_s
+    def __init__(self, ends: list[float], step_s: list[float], free0: int, requests: list[Request],
+                 tokens: list[int], tables: list[int]) -> None:
         self.ends = ends  # end time of step j (0-based)
         self.step_s = step_s
         self.free0 = free0  # free blocks before the stretch, less reservations taken during it
@@ -105,7 +104,7 @@ def try_start(inst: StepInstance, now: float, max_model_len: int) -> Stretch | N
     steps = inst.step_cost.decode_times_s(num_seqs, context, num_steps)
     ends = list(accumulate(steps, initial=now))
     del ends[0]
-    return Stretch(now, ends, steps, free, list(running), tokens, tables)
+    return Stretch(ends, steps, free, list(running), tokens, tables)
 
 
 def free_after(inst: StepInstance, stretch: Stretch, num_free: int) -> int:

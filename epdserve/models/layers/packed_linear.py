@@ -53,7 +53,6 @@ def padded_rows(num_rows: int) -> int:
     return -(-num_rows // step) * step
 
 
-
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None) -> torch.Tensor:
     if packed is None or x.dim() != 2:
         return F.linear(x, weight, bias)
