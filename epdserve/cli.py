@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from epdserve.errors import EpdserveError
 
 EXIT_USAGE = 2
+DEFAULT_GENERATE_TOKENS = 64  # generate's output tokens per prompt without --max-tokens
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -30,10 +31,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks per group (overrides --kv-cache-memory)")
     g.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
     g.add_argument("--seed", type=int, default=0, help="seed of the engine's shared sampler")
+    # Fault injection for tests: KIND:SEED[:OPTION ...], repeatable (epdserve/faults.py).
+    g.add_argument("--debug-fault", action="append", default=[], help=argparse.SUPPRESS)
 
 
 def engine_args_from(ns: argparse.Namespace):  # -> EngineArgs
     from epdserve.config import EngineArgs
+    from epdserve.faults import parse_fault
 
     return EngineArgs(
         model=ns.model,
@@ -48,13 +52,23 @@ def engine_args_from(ns: argparse.Namespace):  # -> EngineArgs
         kv_cache_memory_gib=ns.kv_cache_memory,
         num_kv_blocks=ns.num_kv_blocks,
         enable_prefix_caching=not ns.no_prefix_caching,
+        faults=tuple(parse_fault(text) for text in ns.debug_fault),
     )
 
 
 def _generate(ns: argparse.Namespace) -> int:
+    from dataclasses import replace
+
     from epdserve.engine.engine import LLMEngine
     from epdserve.errors import InvalidRequestError
-    from epdserve.sampling import SamplingParams
+    from epdserve.router.validate import (
+        RequestLimits,
+        SamplingFields,
+        check_prompt_ids,
+        check_prompt_text,
+        check_sampling,
+        sampling_params,
+    )
 
     if ns.prompt is None and ns.prompts_file is None:
         raise InvalidRequestError("give --prompt TEXT or --prompts-file FILE")
@@ -64,22 +78,28 @@ def _generate(ns: argparse.Namespace) -> int:
                 prompts = [line.rstrip("\n") for line in f if line.strip()]
         except OSError as e:
             raise InvalidRequestError(f"cannot read prompts file: {e.strerror}: {ns.prompts_file}") from None
+        except UnicodeDecodeError:
+            raise InvalidRequestError(f"prompts file {ns.prompts_file} is not UTF-8 text") from None
         if not prompts:
             raise InvalidRequestError(f"prompts file {ns.prompts_file} has no prompts")
     else:
         prompts = [ns.prompt]
-    params = SamplingParams(
-        max_tokens=ns.max_tokens,
-        temperature=ns.temperature,
-        top_p=ns.top_p,
-        top_k=ns.top_k,
-        ignore_eos=ns.ignore_eos,
-        stop=tuple(ns.stop or ()),
-    )
+    fields = SamplingFields(max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k,
+                            stop=ns.stop, ignore_eos=ns.ignore_eos)
     engine = LLMEngine(engine_args_from(ns))
-    prompt_ids = [engine.encode_prompt(p, chat=ns.chat) for p in prompts]
-    for ids in prompt_ids:
-        engine.validate_prompt(ids)
+    # The same bounds as a request to the server.
+    limits = RequestLimits(vocab_size=engine.loaded.spec.vocab_size, max_model_len=engine.max_model_len, max_n=1)
+    check_sampling(fields, limits)
+    prompt_ids, params = [], []
+    for prompt in prompts:
+        ids = engine.encode_prompt(check_prompt_text(prompt, limits), chat=ns.chat)
+        check_prompt_ids(ids, limits)
+        engine.validate_prompt(ids)  # and the prompt's KV blocks fit the cache
+        room = engine.max_model_len - len(ids)
+        # Without --max-tokens: DEFAULT_GENERATE_TOKENS, or what the context leaves when less.
+        fit = fields if ns.max_tokens is not None else replace(fields, max_tokens=min(DEFAULT_GENERATE_TOKENS, room))
+        prompt_ids.append(ids)
+        params.append(sampling_params(fit, len(ids), limits))
     results = engine.generate(prompt_ids, params)
     for prompt, (completion,) in zip(prompts, results):
         if ns.json:
@@ -120,6 +140,7 @@ def _worker(ns: argparse.Namespace) -> int:
     opts = WorkerOptions(
         role=ns.role, router=ns.router, cores=cores, kv_transport=ns.kv_transport, kv_host=ns.kv_host,
         layerwise=not ns.no_layerwise, die_with_parent=ns.die_with_parent,
+        reservation_lease_s=ns.reservation_lease,
         stall_kv_transfers=ns.debug_stall_kv_transfers, vision=ns.vision, embed_slab_mb=ns.embed_slab_mb,
         embed_transport=ns.embed_transport,
         max_batch_images=ns.encode_batch_images, encoder_cache_mb=ns.encoder_cache_mb,
@@ -137,7 +158,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompt", default=None, help="the prompt text")
     gen.add_argument("--prompts-file", default=None, help="one prompt a line, all batched through the engine")
     gen.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
-    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--max-tokens", type=int, default=None,
+                     help=f"output tokens per prompt (default {DEFAULT_GENERATE_TOKENS}, or what the context leaves)")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=0)
@@ -162,6 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
     wrk.add_argument("--kv-transport", choices=("shm", "tcp"), default="shm", help="decode: how prefill reaches its KV pages")
     wrk.add_argument("--kv-host", default="127.0.0.1", help="decode + tcp: address of the KV listener")
     wrk.add_argument("--no-layerwise", action="store_true", help="prefill: push KV in bulk after prefill")
+    wrk.add_argument("--reservation-lease", type=float, default=120.0,
+                     help="decode: seconds a KV reservation waits for its KV before it expires")
     wrk.add_argument("--vision", default=None, help="take images with this vision tower: 'default' or 'smolvlm-256m' (seeded), 'checkpoint' (the model directory's own)")
     wrk.add_argument("--embed-slab-mb", type=float, default=0.0, help="prefill/colocated: embedding slab for encode workers (0: encode in-process)")
     wrk.add_argument("--embed-transport", choices=("shm", "tcp"), default="shm", help="how encode workers reach the slab")

@@ -10,6 +10,7 @@ import functools
 from dataclasses import dataclass, field
 
 from epdserve.errors import ConfigError
+from epdserve.faults import FaultSpec
 
 DTYPES = ("bfloat16", "float32", "float16")
 
@@ -79,6 +80,7 @@ class EngineArgs:
     kv_cache_memory_gib: float = 2.0  # KV pool size across all layers and groups
     num_kv_blocks: int | None = None  # overrides kv_cache_memory_gib
     enable_prefix_caching: bool = True
+    faults: tuple[FaultSpec, ...] = ()  # injected faults (tests; epdserve/faults.py)
     extra: dict = field(default_factory=dict)
 
     def resolve(self, model_max_len: int, bytes_per_block: int) -> EngineConfig:

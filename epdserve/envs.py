@@ -42,3 +42,13 @@ def is_gc_freeze_enabled() -> bool:
     the objects alive at the end of start-up to the garbage collector (``epdserve/gc_heap.py``)."""
     value = os.environ.get(EPDSERVE_GC_FREEZE, "").strip().lower()
     return value not in ("0", "false", "no", "off")
+
+
+EPDSERVE_API_KEY = "EPDSERVE_API_KEY"
+
+
+def get_api_key() -> str | None:
+    """``$EPDSERVE_API_KEY`` when set and non-empty: the key ``epdserve serve`` requires
+    (``--api-key`` overrides it), and the key the experiments' launcher sends."""
+    value = os.environ.get(EPDSERVE_API_KEY, "").strip()
+    return value or None

@@ -91,6 +91,7 @@ class Request:
     hold_kv_for_transfer: bool = False
     kv_target: str | None = None  # decode worker that receives this request's KV
     kv_target_block_ids: list[list[int]] = field(default_factory=list)  # its blocks, per group
+    kv_target_generation: int = 0  # the decode worker's reservation (its write fence)
     # Images in the prompt, in prompt order (no overlaps); see ``num_ready_tokens``.
     mm_inputs: list[MMInput] = field(default_factory=list)
     # Prefill may compute the tokens before an image whose embedding has not arrived

@@ -166,8 +166,9 @@ def _stream(server: Server, body: dict, events: list) -> None:
 
 def test_killing_an_encode_worker_fails_only_its_requests(tmp_path):
     # Eight large images keep the encoder busy for seconds: the kill lands mid-request.
+    # No automatic restart: the encoder stays dead.
     server = start_server(SMALL + ["--max-model-len", "8192", "--kv-cache-memory", "0.5", "--encode-workers", "1",
-                                   "--colocated-workers", "1"],
+                                   "--colocated-workers", "1", "--max-worker-restarts", "0"],
                           str(tmp_path))
     try:
         big = [data_url(image_bytes(100 + i, (1000, 1000))) for i in range(6)]

@@ -191,7 +191,8 @@ def test_decode_kv_exhaustion_is_503(tmp_path):
 
 
 def test_kill_workers_mid_request_and_rejoin(tmp_path):
-    server = start_server(SMALL + ["--decode-workers", "2"], str(tmp_path))
+    # No automatic restart: this test restarts the worker by hand.
+    server = start_server(SMALL + ["--decode-workers", "2", "--max-worker-restarts", "0"], str(tmp_path))
     try:
         decode_pids = {w["id"]: w["pid"] for w in server.workers() if w["role"] == "decode"}
         events: dict[int, list] = {0: [], 1: []}

@@ -22,13 +22,15 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+import msgspec
 import torch
 import zmq
 
 from epdserve.cluster import messages as m
-from epdserve.cluster.router_link import connect_to_router, start_heartbeats
+from epdserve.cluster.router_link import StepProgress, connect_to_router, start_heartbeats
 from epdserve.config import resolve_device_name, resolve_dtype_name
 from epdserve.engine.encoder_runner import EncodeJob, EncodeResult, EncoderRunner
+from epdserve.engine.failures import EXIT_FATAL, describe, is_fatal
 from epdserve.errors import ConfigError
 from epdserve.gc_heap import freeze_startup_heap
 from epdserve.models.multimodal import load_multimodal_spec, load_vision_encoder
@@ -78,6 +80,7 @@ class EncodeWorker:
         self.sock = connect_to_router(self.ctx, opts.router, opts.worker_id)
         self._stop = threading.Event()
         self._num_busy = 0
+        self.progress = StepProgress()
 
     def register(self) -> m.Register:
         return m.Register(
@@ -93,22 +96,46 @@ class EncodeWorker:
     def run(self) -> int:
         freeze_startup_heap()  # the model, tokenizer and libraries: never garbage (epdserve/gc_heap.py)
         self.sock.send(m.encode(self.register()))
-        start_heartbeats(self.ctx, self.opts.router, self.opts.worker_id, self.load, self.opts.heartbeat_s, self._stop)
+        start_heartbeats(self.ctx, self.opts.router, self.opts.worker_id, self.load, self.opts.heartbeat_s,
+                         self._stop, self.progress)
         try:
             while not self._stop.is_set():
                 timeout_ms = 0 if self.queue else 100
+                self.progress.end()
                 while self.sock.poll(timeout_ms, zmq.POLLIN):
-                    self._handle(m.decode(self.sock.recv()))
+                    try:
+                        msg = m.decode(self.sock.recv())
+                    except msgspec.DecodeError as e:  # a malformed frame costs itself only
+                        log.warning("dropping a malformed message from the router: %s", e)
+                        continue
+                    self._handle(msg)
                     timeout_ms = 0
                     if self._stop.is_set():
                         return 0
                 if self.queue:
+                    self.progress.begin()
                     self._encode_batch()
+        except Exception as e:
+            if not is_fatal(e):
+                raise
+            log.critical("fatal error, the encode worker exits with status %d", EXIT_FATAL, exc_info=True)
+            return EXIT_FATAL
         finally:
             self.close()
         return 0
 
     def _handle(self, msg: m.Message) -> None:
+        """One message; an exception costs only its image (EncodeDone not ok), fatal ones raise."""
+        try:
+            self._dispatch(msg)
+        except Exception as e:
+            if is_fatal(e):
+                raise
+            log.exception("handling %s failed", type(msg).__name__)
+            if isinstance(msg, m.EncodeImage):  # not queued: answered here
+                self._reply(msg, False, reason=describe(e, "queueing the image"))
+
+    def _dispatch(self, msg: m.Message) -> None:
         if isinstance(msg, m.EncodeImage):
             self.queue.append(msg)
         elif isinstance(msg, m.Abort):
@@ -137,41 +164,65 @@ class EncodeWorker:
             old = self.slabs.pop(msg.worker_id, None)
             if old is not None:
                 old.close()
+        elif isinstance(msg, m.Reconcile):
+            # The router gave this worker up (lease, hung step) and failed its requests.
+            keep = set(msg.request_ids)
+            self.queue = deque(job for job in self.queue if job.request_id in keep)
+            self.sock.send(m.encode(self.register()))
         elif isinstance(msg, m.Shutdown):
             self._stop.set()
 
     def _encode_batch(self) -> None:
         batch = [self.queue.popleft() for _ in range(min(self.opts.max_batch_images, len(self.queue)))]
         self._num_busy = len(batch)
-        results = self.runner.run([EncodeJob(job.content_hash, job.data) for job in batch])
+        try:
+            results = self.runner.run([EncodeJob(job.content_hash, job.data) for job in batch])
+        except Exception as e:  # past the runner's own per-image isolation: the batch fails
+            if is_fatal(e):
+                raise
+            log.exception("encoding a batch of %d images failed", len(batch))
+            for job in batch:
+                self._reply(job, False, reason=describe(e, "encoding the image"))
+            self._num_busy = 0
+            return
         for job, result in zip(batch, results):
-            if result.rows is None:
-                self._reply(job, False, result=result, reason=result.error)
-                continue
-            slab = self.slabs.get(job.target)
-            if slab is None:
-                self._reply(job, False, result=result, reason=f"the slab of {job.target} is not mapped")
-                continue
-            if result.rows.shape != (job.num_rows, slab.hidden_size):
-                self._reply(job, False, result=result, reason=(
-                    f"embedding of shape {tuple(result.rows.shape)} does not fit {job.num_rows} rows "
-                    f"of {slab.hidden_size}"))
-                continue
-            write_start = time.perf_counter()
             try:
-                if isinstance(slab, TcpSlabSender):
-                    num_bytes = slab.send(job.request_id, job.image_index, job.slab_offset, result.rows)
-                else:
-                    slab.region(job.slab_offset, job.num_rows).copy_(result.rows)
-                    num_bytes = result.rows.numel() * slab.rows.element_size()
-            except (ValueError, OSError) as e:
-                if isinstance(e, OSError):
-                    self.slabs.pop(job.target, None)
-                    slab.close()
-                self._reply(job, False, result=result, reason=f"cannot write the embedding: {e}")
-                continue
-            self._reply(job, True, result=result, write_s=time.perf_counter() - write_start, num_bytes=num_bytes)
+                self._deliver(job, result)
+            except Exception as e:
+                if is_fatal(e):
+                    raise
+                log.exception("delivering image %d of %s failed", job.image_index, job.request_id)
+                self._reply(job, False, result=result, reason=describe(e, "writing the embedding"))
         self._num_busy = 0
+
+    def _deliver(self, job: m.EncodeImage, result: EncodeResult) -> None:
+        """Write one embedding into its consumer's slab and answer its job (exactly once)."""
+        if result.rows is None:
+            self._reply(job, False, result=result, reason=result.error)
+            return
+        slab = self.slabs.get(job.target)
+        if slab is None:
+            self._reply(job, False, result=result, reason=f"the slab of {job.target} is not mapped")
+            return
+        if result.rows.shape != (job.num_rows, slab.hidden_size):
+            self._reply(job, False, result=result, reason=(
+                f"embedding of shape {tuple(result.rows.shape)} does not fit {job.num_rows} rows "
+                f"of {slab.hidden_size}"))
+            return
+        write_start = time.perf_counter()
+        try:
+            if isinstance(slab, TcpSlabSender):
+                num_bytes = slab.send(job.request_id, job.image_index, job.slab_offset, result.rows)
+            else:
+                slab.region(job.slab_offset, job.num_rows).copy_(result.rows)
+                num_bytes = result.rows.numel() * slab.rows.element_size()
+        except (ValueError, OSError) as e:
+            if isinstance(e, OSError):
+                self.slabs.pop(job.target, None)
+                slab.close()
+            self._reply(job, False, result=result, reason=f"cannot write the embedding: {e}")
+            return
+        self._reply(job, True, result=result, write_s=time.perf_counter() - write_start, num_bytes=num_bytes)
 
     def _reply(self, job: m.EncodeImage, ok: bool, result: EncodeResult | None = None, write_s: float = 0.0,
                num_bytes: int = 0, reason: str = "") -> None:

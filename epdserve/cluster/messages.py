@@ -31,6 +31,9 @@ class KVEndpoint(msgspec.Struct, omit_defaults=True):
     dtype: str = ""
     # per layer: (num_kv_heads, head_dim); the pool is [layer][2][block][slot][head][dim]
     layer_shapes: list[tuple[int, int]] = []
+    # The write fence (epdserve/transfer/fence.py): shm only, the owner array's segment.
+    fence_shm_name: str = ""
+    num_groups: int = 1
 
 
 class SlabEndpoint(msgspec.Struct, omit_defaults=True):
@@ -68,6 +71,7 @@ class Load(msgspec.Struct):
     num_transferring: int = 0  # prefill: requests holding blocks while their KV leaves
     kv_bytes_sent: int = 0
     kv_seconds_sent: float = 0.0
+    num_kv_writes_refused: int = 0  # KV layer writes a reservation fence refused (fence.py)
     num_encoder_cache_hits: int = 0  # encode: images served from the embedding cache
     num_encoder_cache_bytes: int = 0
 
@@ -75,6 +79,11 @@ class Load(msgspec.Struct):
 class Heartbeat(Msg):
     worker_id: str
     load: Load
+    # Progress: steps the worker's loop has completed, and how long the step now running has
+    # been running (seconds; 0 between steps). The router's watchdog reads the second: a loop
+    # stuck in one step while this thread still beats is treated like a dead worker.
+    num_steps: int = 0
+    step_age_s: float = 0.0
 
 
 class TokenLogprob(msgspec.Struct, array_like=True):
@@ -129,12 +138,21 @@ class Outputs(Msg):
 
 
 class Reserved(Msg):
-    """Decode worker's answer to Reserve: block ids per group, or why not."""
+    """Decode worker's answer to Reserve: block ids per group and the reservation's generation
+    (every KV write for it must carry that number), or why not."""
 
     request_id: str
     ok: bool
     block_ids: list[list[int]] = []
+    generation: int = 0
     reason: str = ""
+
+
+class ReservationExpired(Msg):
+    """Decode worker: a reservation's KV did not land within its lease; its blocks are free
+    again and any later write carrying its generation is refused."""
+
+    request_id: str
 
 
 class TransferDone(Msg):
@@ -194,9 +212,11 @@ class Submit(Msg):
     request_id: str
     prompt_token_ids: list[int]
     sampling: dict
-    # P/D: where the KV goes (decode worker id, its block ids per group)
+    # P/D: where the KV goes (decode worker id, its block ids per group, the reservation's
+    # generation, which every write carries)
     kv_target: str = ""
     kv_target_block_ids: list[list[int]] = []
+    kv_target_generation: int = 0
     images: list[ImageRef] = []
     mm_pipelined: bool = True  # prefill may start before every image's embedding is there
 
@@ -252,6 +272,14 @@ class PeerDown(Msg):
     worker_id: str
 
 
+class Reconcile(Msg):
+    """Router -> a worker it had given up on (missed lease, hung step) whose heartbeats came
+    back: drop every request not in ``request_ids`` (freeing their blocks), then register
+    again."""
+
+    request_ids: list[str] = []
+
+
 class Shutdown(Msg):
     pass
 
@@ -259,6 +287,7 @@ class Shutdown(Msg):
 Message = Union[
     Register, Heartbeat, Outputs, Reserved, TransferDone, RequestFailed, EncodeDone, EmbeddingLanded,
     Submit, Reserve, StartDecode, Abort, PeerUp, PeerDown, Shutdown, EncodeImage, EmbeddingReady, SlabUp,
+    ReservationExpired, Reconcile,
 ]
 
 _encoder = msgspec.msgpack.Encoder()

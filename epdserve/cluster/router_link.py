@@ -1,17 +1,26 @@
 """A worker's sockets to the router: the control socket, and heartbeats from a thread.
 
 The heartbeat thread (its own socket, identity ``<worker id>/hb``) keeps beating while the
-worker's loop is busy in a long step, so the router tells a slow worker from a dead one.
+worker's loop is busy in a long step, so the router tells a slow worker from a dead one; each
+beat also says how long the loop's current step has run, so the router tells a slow step from
+a hung one.
+
+Sends never block for good: a socket holds at most ``SEND_HWM`` messages for a router that
+does not read them, and a send waits at most ``SEND_TIMEOUT_MS`` for room (then ``zmq.Again``).
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 
 import zmq
 
 from epdserve.cluster import messages as m
+
+SEND_HWM = 100_000  # messages queued for the router at most
+SEND_TIMEOUT_MS = 10_000
 
 
 def connect_to_router(ctx: zmq.Context, router: str, identity: str) -> zmq.Socket:
@@ -19,21 +28,46 @@ def connect_to_router(ctx: zmq.Context, router: str, identity: str) -> zmq.Socke
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.IDENTITY, identity.encode())
     sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, SEND_HWM)
+    sock.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)
     sock.connect(router)
     return sock
 
 
+class StepProgress:
+    """The worker loop's progress, written by the loop and read by the heartbeat thread."""
+
+    def __init__(self) -> None:
+        self.num_steps = 0
+        self._busy_since = 0.0  # monotonic seconds; 0 while the loop waits for work
+
+    def begin(self) -> None:
+        self._busy_since = time.monotonic()
+
+    def end(self) -> None:
+        self._busy_since = 0.0
+        self.num_steps += 1
+
+    @property
+    def age_s(self) -> float:
+        """How long the loop has been inside its current pass (0 while it waits)."""
+        since = self._busy_since
+        return time.monotonic() - since if since else 0.0
+
+
 def start_heartbeats(
     ctx: zmq.Context, router: str, worker_id: str, load: Callable[[], m.Load], period_s: float,
-    stop: threading.Event,
+    stop: threading.Event, progress: StepProgress | None = None,
 ) -> threading.Thread:
-    """Send ``Heartbeat(worker_id, load())`` every ``period_s`` seconds until ``stop`` is set."""
+    """Send ``Heartbeat(worker_id, load(), progress)`` every ``period_s`` seconds until ``stop``
+    is set."""
 
     def beat() -> None:
         sock = connect_to_router(ctx, router, f"{worker_id}/hb")
         while not stop.wait(period_s):
             try:
-                sock.send(m.encode(m.Heartbeat(worker_id, load())), zmq.NOBLOCK)
+                num_steps, age_s = (progress.num_steps, progress.age_s) if progress else (0, 0.0)
+                sock.send(m.encode(m.Heartbeat(worker_id, load(), num_steps, age_s)), zmq.NOBLOCK)
             except (zmq.ZMQError, RuntimeError):
                 pass  # the context is closing, or the router is gone: the next beat retries
         sock.close()

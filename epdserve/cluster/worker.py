@@ -21,19 +21,22 @@ import time
 import uuid
 from dataclasses import asdict, dataclass, field, replace
 
+import msgspec
 import torch
 import zmq
 
 from epdserve.cluster import messages as m
-from epdserve.cluster.router_link import connect_to_router, start_heartbeats
+from epdserve.cluster.router_link import StepProgress, connect_to_router, start_heartbeats
 from epdserve.cluster.step_trace import StepTrace
 from epdserve.cluster.worker_images import ConsumerImages, ImageOptions
 from epdserve.config import EngineArgs, resolve_device_name
 from epdserve.engine.engine import LLMEngine, RequestOutput
+from epdserve.engine.failures import EXIT_FATAL, describe, is_fatal
 from epdserve.errors import EpdserveError, InvalidRequestError
 from epdserve.gc_heap import freeze_startup_heap
 from epdserve.sampling import SamplingParams
 from epdserve.transfer.connector import KVPusher
+from epdserve.transfer.fence import ReservationFence
 from epdserve.transfer.shm_pool import SharedKVPool
 from epdserve.transfer.tcp import TcpKVReceiver
 
@@ -51,7 +54,7 @@ class WorkerOptions:
     kv_host: str = "127.0.0.1"  # decode + tcp: address its KV listener binds
     layerwise: bool = True  # prefill: push KV layer by layer (False: bulk after prefill)
     heartbeat_s: float = 0.2
-    reservation_lease_s: float = 60.0  # decode: a reservation whose KV never lands expires
+    reservation_lease_s: float = 120.0  # decode: a reservation whose KV never lands expires
     die_with_parent: bool = False
     stall_kv_transfers: bool = False  # fault injection (tests): prefill never finishes a transfer
     # Images: the vision tower (None: text only). A consumer (colocated / prefill) with a slab
@@ -116,9 +119,15 @@ class Worker:
         self._landed_fd = os.eventfd(0, os.EFD_NONBLOCK)
         self._pending_decode: dict[str, m.StartDecode] = {}
         self._prefill_ids: set[str] = set()  # P/D prefills whose TransferDone is still due
-        self._reserved_at: dict[str, float] = {}
+        # Decode: open reservations, request id -> (fence generation, monotonic time reserved).
+        self._reservations: dict[str, tuple[int, float]] = {}
+        self.fence: ReservationFence | None = None
         if opts.role == "decode":
+            caches = self.engine.runner.kv_caches
+            self.fence = ReservationFence(len(self.engine.kv_cache.groups), caches[0].shape[1],
+                                          shm=self.pool is not None)
             self.endpoint = self._decode_endpoint()
+        self.progress = StepProgress()
         self.images: ConsumerImages | None = None
         if opts.vision is not None and opts.role in ("colocated", "prefill"):
             image_opts = ImageOptions(opts.vision, opts.embed_slab_mb, opts.embed_transport, opts.kv_host,
@@ -140,19 +149,28 @@ class Worker:
         return self.pool.layers
 
     def _decode_endpoint(self) -> m.KVEndpoint:
+        assert self.fence is not None
         if self.pool is not None:
-            return self.pool.endpoint()
-        reserved = self.engine.scheduler.reserved
-        self.receiver = TcpKVReceiver(
-            self.engine.runner.kv_caches, self._on_landed, lambda rid: rid in reserved, self.opts.kv_host
-        )
-        caches = self.engine.runner.kv_caches
+            return msgspec.structs.replace(self.pool.endpoint(), fence_shm_name=self.fence.shm_name,
+                                           num_groups=self.fence.num_groups)
+        runner = self.engine.runner
+        self.receiver = TcpKVReceiver(runner.kv_caches, self._on_landed, self.fence, runner.layer_to_group,
+                                      self.opts.kv_host)
+        caches = runner.kv_caches
         return m.KVEndpoint(
             transport="tcp", host=self.receiver.host, port=self.receiver.port,
             num_blocks=caches[0].shape[1], block_size=caches[0].shape[2],
             dtype=str(caches[0].dtype).removeprefix("torch."),
-            layer_shapes=[tuple(c.shape[3:]) for c in caches],
+            layer_shapes=[tuple(c.shape[3:]) for c in caches], num_groups=self.fence.num_groups,
         )
+
+    def _send(self, msg: m.Msg) -> None:
+        """To the router; a router that stopped reading costs this message, never the loop
+        (the router's own deadlines settle what it was about)."""
+        try:
+            self.sock.send(m.encode(msg))
+        except zmq.Again:
+            log.warning("router is not reading: dropped %s", type(msg).__name__)
 
     def _on_landed(self, request_id: str) -> None:
         with self._landed_lock:
@@ -179,13 +197,16 @@ class Worker:
             num_reserved=len(sched.reserved), num_transferring=len(sched.transferring),
             kv_bytes_sent=pusher.num_bytes_sent if pusher else 0,
             kv_seconds_sent=pusher.seconds_sending if pusher else 0.0,
+            num_kv_writes_refused=(pusher.num_refused_writes if pusher else 0)
+            + (self.receiver.num_refused_frames if self.receiver else 0),
         )
 
     # -- loops ---------------------------------------------------------------------------
     def run(self) -> int:
         freeze_startup_heap()  # the model, tokenizer and libraries: never garbage (epdserve/gc_heap.py)
-        self.sock.send(m.encode(self.register()))
-        start_heartbeats(self.ctx, self.opts.router, self.opts.worker_id, self.load, self.opts.heartbeat_s, self._stop)
+        self._send(self.register())
+        start_heartbeats(self.ctx, self.opts.router, self.opts.worker_id, self.load, self.opts.heartbeat_s,
+                         self._stop, self.progress)
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
         poller.register(self._landed_fd, zmq.POLLIN)
@@ -197,6 +218,7 @@ class Worker:
                 encoding = self.images is not None and self.images.has_inline_jobs
                 busy = (self.engine.has_unfinished() and self.engine.last_num_scheduled > 0) or encoding
                 timeout_ms = 0 if busy else (5 if self.engine.scheduler.transferring else 100)
+                self.progress.end()
                 while True:
                     ready = dict(poller.poll(timeout_ms))
                     if self._landed_fd in ready:
@@ -204,14 +226,21 @@ class Worker:
                         self._report_landed_images()
                     if self.sock not in ready:
                         break
-                    self._handle(m.decode(self.sock.recv()))
+                    self.progress.begin()
+                    try:
+                        msg = m.decode(self.sock.recv())
+                    except msgspec.DecodeError as e:  # a malformed frame costs itself only
+                        log.warning("dropping a malformed message from the router: %s", e)
+                        continue
+                    self._handle(msg)
                     timeout_ms = 0
                     if self._stop.is_set():
                         return 0
+                self.progress.begin()
                 self._start_landed()
                 if self.images is not None and self.images.has_inline_jobs:
                     for request_id, error in self.images.encode_inline():
-                        self.sock.send(m.encode(m.RequestFailed(request_id, error)))
+                        self._fail_request(request_id, error)
                 if self.engine.has_unfinished():
                     if self._step_trace is None:
                         self._send_outputs(self.engine.step())
@@ -220,6 +249,13 @@ class Worker:
                             self._send_outputs(self.engine.step())
                 self._report_transfers()
                 self._expire_reservations()
+        except Exception as e:
+            if not is_fatal(e):
+                raise
+            # The process's memory or device can no longer be trusted: stop (the launcher
+            # restarts the worker; the router fails its requests when the process exits).
+            log.critical("fatal error, the worker exits with status %d", EXIT_FATAL, exc_info=True)
+            return EXIT_FATAL
         finally:
             self.close()
         return 0
@@ -237,7 +273,7 @@ class Worker:
                 if msg.kv_target:
                     engine.add_prefill_request(
                         msg.request_id, msg.prompt_token_ids, params, msg.kv_target, msg.kv_target_block_ids,
-                        mm_inputs, msg.mm_pipelined,
+                        mm_inputs, msg.mm_pipelined, msg.kv_target_generation,
                     )
                     self._prefill_ids.add(msg.request_id)
                 else:
@@ -249,24 +285,18 @@ class Worker:
             elif isinstance(msg, m.Reserve):
                 block_ids = engine.reserve(msg.request_id, msg.num_prompt_tokens)
                 if block_ids is None:
-                    self.sock.send(m.encode(m.Reserved(msg.request_id, False, reason="no free KV blocks")))
+                    self._send(m.Reserved(msg.request_id, False, reason="no free KV blocks"))
                 else:
-                    self._reserved_at[msg.request_id] = time.monotonic()
-                    self.sock.send(m.encode(m.Reserved(msg.request_id, True, [list(b) for b in block_ids])))
+                    tables = [list(b) for b in block_ids]
+                    generation = self.fence.open(tables)
+                    self._reservations[msg.request_id] = (generation, time.monotonic())
+                    self._send(m.Reserved(msg.request_id, True, tables, generation))
             elif isinstance(msg, m.StartDecode):
                 self._pending_decode[msg.request_id] = msg
             elif isinstance(msg, m.Abort):
-                self._pending_decode.pop(msg.request_id, None)
-                self._reserved_at.pop(msg.request_id, None)
-                if self.images is None:
-                    engine.abort(msg.request_id)
-                elif self.images.abort(msg.request_id):  # TCP slab: the router frees the rows then
-                    self.sock.send(m.encode(m.EmbeddingLanded(msg.request_id, -1)))
-                if self.opts.role == "prefill":
-                    # Confirms, even for a request never seen, that from here on nothing is
-                    # written into the decode worker's blocks for it.
-                    self._prefill_ids.discard(msg.request_id)
-                    self.sock.send(m.encode(m.TransferDone(msg.request_id, False, reason="aborted")))
+                self._drop(msg.request_id)
+            elif isinstance(msg, m.Reconcile):
+                self._reconcile(set(msg.request_ids))
             elif isinstance(msg, m.PeerUp) and engine.runner.pusher is not None:
                 try:
                     engine.runner.pusher.add_peer(msg.worker_id, msg.endpoint)
@@ -277,14 +307,76 @@ class Worker:
                 engine.runner.pusher.remove_peer(msg.worker_id)
             elif isinstance(msg, m.Shutdown):
                 self._stop.set()
-        except EpdserveError as e:
-            request_id = getattr(msg, "request_id", "")
-            self.sock.send(m.encode(m.RequestFailed(request_id, str(e))))
+        except Exception as e:
+            if is_fatal(e):
+                raise
+            self._fail_message(msg, e)
+
+    def _fail_message(self, msg: m.Message, exc: Exception) -> None:
+        """Handling ``msg`` raised: only its request fails (a message without one is logged)."""
+        request_id = getattr(msg, "request_id", "")
+        if not request_id:
+            log.error("handling %s failed", type(msg).__name__, exc_info=exc)
+            return
+        if isinstance(msg, m.Submit) and msg.kv_target:
+            self._prefill_ids.add(request_id)  # its TransferDone is due, however far it got
+        if isinstance(exc, EpdserveError):
+            message = str(exc)  # refused before it changed anything here
+        else:
+            log.error("handling %s of %s failed", type(msg).__name__, request_id, exc_info=exc)
+            message = describe(exc, f"handling {type(msg).__name__}")
+            try:
+                self._drop(request_id)
+            except Exception as cleanup_error:
+                if is_fatal(cleanup_error):
+                    raise
+                log.exception("cleaning up %s failed", request_id)
+        self._fail_request(request_id, message)
+
+    def _fail_request(self, request_id: str, message: str) -> None:
+        """Tell the router the request failed here (its engine state is already gone); a P/D
+        prefill whose TransferDone is still due sends it now, once: nothing more is written
+        into the decode worker's blocks for it."""
+        self._send(m.RequestFailed(request_id, message))
+        if request_id in self._prefill_ids:
+            self._prefill_ids.discard(request_id)
+            self._send(m.TransferDone(request_id, False, reason=message))
+
+    def _drop(self, request_id: str) -> None:
+        """Stop a request the router gave up (abort, failure) and free what it holds here."""
+        self._pending_decode.pop(request_id, None)
+        self._end_reservation(request_id)
+        if self.images is None:
+            self.engine.abort(request_id)
+        elif self.images.abort(request_id):  # TCP slab: the router frees the rows then
+            self._send(m.EmbeddingLanded(request_id, -1))
+        if self.opts.role == "prefill":
+            # Confirms, even for a request never seen, that from here on nothing is
+            # written into the decode worker's blocks for it.
+            self._prefill_ids.discard(request_id)
+            self._send(m.TransferDone(request_id, False, reason="aborted"))
+
+    def _reconcile(self, keep: set[str]) -> None:
+        """The router had given this worker up (missed lease, hung step) and failed its
+        requests: drop every request it no longer knows here, then register again."""
+        held = (set(self.engine.live_request_ids()) | set(self._reservations) | set(self._pending_decode)
+                | self._prefill_ids)
+        for request_id in held - keep:
+            self._drop(request_id)
+        log.info("reconciled with the router: dropped %d requests; registering again", len(held - keep))
+        self._send(self.register())
+
+    def _end_reservation(self, request_id: str) -> None:
+        """The reservation's KV may no longer be written (landed, aborted or expired); call
+        before its blocks go back to the pool."""
+        reservation = self._reservations.pop(request_id, None)
+        if reservation is not None:
+            self.fence.close(reservation[0])
 
     def _report_landed_images(self) -> None:
         if self.images is not None:
             for request_id, image_index in self.images.take_landed():
-                self.sock.send(m.encode(m.EmbeddingLanded(request_id, image_index)))
+                self._send(m.EmbeddingLanded(request_id, image_index))
 
     def _start_landed(self) -> None:
         if not self._pending_decode:
@@ -296,14 +388,13 @@ class Worker:
                         continue
                     self._landed.discard(request_id)
             del self._pending_decode[request_id]
-            self._reserved_at.pop(request_id, None)
+            self._end_reservation(request_id)
             if request_id not in self.engine.scheduler.reserved:
                 continue  # aborted meanwhile
             self.engine.start_decode(request_id, msg.prompt_token_ids, msg.first_token_id, _sampling_from(msg.sampling))
 
     def _send_outputs(self, outputs: list[RequestOutput]) -> None:
-        if not outputs:
-            return
+        """Token outputs in one message, then each request that failed in the step."""
         items = [
             m.TokenOutput(
                 request_id=o.request_id, index=o.index, token_ids=o.new_token_ids, text=o.new_text,
@@ -314,26 +405,35 @@ class Worker:
                 prefill_start=o.prefill_start, prefill_end=o.prefill_end,
                 **(self.images.timing(o, o.finished or self.opts.role == "prefill") if self.images else {}),
             )
-            for o in outputs
+            for o in outputs if o.error is None
         ]
-        self.sock.send(m.encode(m.Outputs(self.opts.worker_id, items)))
+        if items:
+            self._send(m.Outputs(self.opts.worker_id, items))
+        for o in outputs:
+            if o.error is not None:
+                self._fail_request(o.request_id, o.error)
 
     def _report_transfers(self) -> None:
         for stats in self.engine.poll_transfers():
             self._prefill_ids.discard(stats.request_id)
-            self.sock.send(m.encode(m.TransferDone(
+            self._send(m.TransferDone(
                 stats.request_id, stats.ok, stats.kv_bytes, stats.start, stats.end, stats.exposed_s,
                 stats.blocking_s, "" if stats.ok else "KV transfer failed",
-            )))
+            ))
 
     def _expire_reservations(self) -> None:
-        if not self._reserved_at:
+        """A reservation whose KV did not land within the lease: its blocks go back to the pool
+        (after the fence refuses its writes) and the router hears of it."""
+        if not self._reservations:
             return
         deadline = time.monotonic() - self.opts.reservation_lease_s
-        for request_id, since in list(self._reserved_at.items()):
-            if since < deadline and request_id not in self._pending_decode:
-                del self._reserved_at[request_id]
+        for request_id, (_, since) in list(self._reservations.items()):
+            if since < deadline:
+                self._pending_decode.pop(request_id, None)
+                self._end_reservation(request_id)
                 self.engine.scheduler.release_reservation(request_id)
+                log.warning("reservation of %s expired after %g s", request_id, self.opts.reservation_lease_s)
+                self._send(m.ReservationExpired(request_id))
 
     def close(self) -> None:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the clean-up short
@@ -346,6 +446,8 @@ class Worker:
             self.engine.runner.kv_caches = []
             self.pool.close()
             self.pool = None
+        if self.fence is not None:
+            self.fence.close_all()
         if self.images is not None:
             self.images.close()
         if self._step_trace is not None:

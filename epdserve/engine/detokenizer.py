@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
+from epdserve.faults import FaultKind, FaultPlan
 from epdserve.sampling import SamplingParams
 
 
@@ -80,3 +81,27 @@ class IncrementalDetokenizer:
         out = self.text[self.num_emitted : end]
         self.num_emitted = end
         return out
+
+
+class FaultInjectingDetokenizer(IncrementalDetokenizer):
+    """Raises, as a bug in detokenization would, at the token a ``detok-error`` fault names
+    (tests only). Tokens given to ``prime`` were detokenized elsewhere and never raise."""
+
+    def __init__(self, tokenizer: Decoder, params: SamplingParams, faults: FaultPlan) -> None:
+        super().__init__(tokenizer, params)
+        self.faults = faults
+        self._is_priming = False
+
+    def add_token(self, token_id: int, is_last: bool) -> DetokenizeResult:
+        num_output = len(self.token_ids)  # output tokens before this one
+        seed = self.params.seed
+        if not self._is_priming and self.faults.find(FaultKind.DETOK_ERROR, seed, num_output) is not None:
+            raise RuntimeError(f"injected detokenizer fault (seed {seed}) at output token {num_output}")
+        return super().add_token(token_id, is_last)
+
+    def prime(self, token_ids: list[int]) -> None:
+        self._is_priming = True
+        try:
+            super().prime(token_ids)
+        finally:
+            self._is_priming = False

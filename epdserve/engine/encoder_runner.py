@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from epdserve.engine.failures import describe, is_fatal
 from epdserve.errors import InvalidRequestError
 from epdserve.models.image_processing import ImagePolicy, decode_image, preprocess
 from epdserve.models.multimodal import encode_images
@@ -77,7 +78,8 @@ class EncoderRunner:
 
     @torch.inference_mode()
     def run(self, jobs: list[EncodeJob]) -> list[EncodeResult]:
-        """Embed every job's image: cache hits first, the misses in one forward pass."""
+        """Embed every job's image: cache hits first, the misses in one forward pass. An image
+        that cannot be decoded or encoded gets a result with ``error`` (fatal errors raise)."""
         start = time.time()
         results: list[EncodeResult | None] = [None] * len(jobs)
         pixels: list[torch.Tensor] = []
@@ -92,11 +94,33 @@ class EncoderRunner:
             except InvalidRequestError as e:  # the router probed it; a worker still never crashes
                 results[i] = EncodeResult(None, False, start, time.time(), str(e))
                 continue
+            except Exception as e:
+                if is_fatal(e):
+                    raise
+                results[i] = EncodeResult(None, False, start, time.time(), describe(e, "decoding the image"))
+                continue
             miss_indices.append(i)
         if pixels:
-            outputs = encode_images(self.encoder, pixels)
-            end = time.time()
-            for i, rows in zip(miss_indices, outputs):
-                self.cache.put(jobs[i].content_hash, rows)
-                results[i] = EncodeResult(rows, False, start, end)
+            self._encode_misses(jobs, pixels, miss_indices, results, start)
         return [r for r in results if r is not None]
+
+    def _encode_misses(self, jobs: list[EncodeJob], pixels: list[torch.Tensor], miss_indices: list[int],
+                       results: list[EncodeResult | None], start: float) -> None:
+        """One forward pass over the misses; if it raises, each image alone (images are
+        encoded independently), so only the images that raise again fail."""
+        try:
+            outputs = encode_images(self.encoder, pixels)
+        except Exception as e:
+            if is_fatal(e):
+                raise
+            if len(pixels) == 1:
+                results[miss_indices[0]] = EncodeResult(None, False, start, time.time(),
+                                                        describe(e, "encoding the image"))
+                return
+            for i, image in zip(miss_indices, pixels):
+                self._encode_misses(jobs, [image], [i], results, start)
+            return
+        end = time.time()
+        for i, rows in zip(miss_indices, outputs):
+            self.cache.put(jobs[i].content_hash, rows)
+            results[i] = EncodeResult(rows, False, start, end)

@@ -4,11 +4,17 @@
 
 A request with ``n > 1`` becomes n sequences; sequences 1..n-1 wait until sequence 0 has
 computed the prompt, then find its prompt blocks in the prefix cache.
+
+A step isolates failures: an exception while scheduling, running, sampling or detokenizing
+fails only the requests it involves (their blocks and transfer holds are freed, and the step
+reports them as ``RequestOutput`` with ``error`` set); the engine goes on serving the rest.
+Fatal errors (``failures.is_fatal``) propagate.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -16,23 +22,31 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from epdserve.config import EngineArgs, EngineConfig, resolve_device_name, resolve_dtype_name
-from epdserve.engine.detokenizer import IncrementalDetokenizer
+from epdserve.engine.detokenizer import FaultInjectingDetokenizer, IncrementalDetokenizer
+from epdserve.engine.failures import describe, is_fatal
 from epdserve.engine.kv_cache import KVCacheManager, make_group_specs
 from epdserve.engine.runner import ModelRunner, kv_cache_shapes
 from epdserve.engine.sampler import TokenLogprobs
 from epdserve.engine.scheduler import Scheduler, SchedulerOutput
 from epdserve.errors import InvalidRequestError
+from epdserve.faults import FaultKind, FaultPlan
 from epdserve.models.loader import LoadedModel, load_model
 from epdserve.request import EventType, MMInput, Request, RequestStatus
 from epdserve.sampling import SamplingParams
 from epdserve.transfer.connector import TransferStats
 
 KVCacheAllocator = Callable[[list[tuple[int, ...]], torch.dtype], list[torch.Tensor]]
+ERROR_FINISH_REASON = "error"
+log = logging.getLogger("epdserve.engine")
 
 
 @dataclass
 class RequestOutput:
-    """What one step produced for one sequence of a request (deltas)."""
+    """What one step produced for one sequence of a request (deltas).
+
+    A failed request gets one output (index 0, no tokens) with ``finished``, finish reason
+    "error" and ``error`` set: all of its sequences have ended.
+    """
 
     request_id: str
     index: int  # which of the request's n sequences
@@ -45,6 +59,7 @@ class RequestOutput:
     num_cached_tokens: int
     prefill_start: float = 0.0  # seconds since the epoch; 0 when not (yet) known
     prefill_end: float = 0.0
+    error: str | None = None  # why the request failed inside this engine
 
 
 @dataclass
@@ -59,6 +74,7 @@ class Completion:
     finish_reason: str | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    error: str | None = None
 
 
 @dataclass
@@ -88,13 +104,15 @@ class LLMEngine:
         bytes_per_block = sum(g.bytes_per_block(args.block_size, dtype_bytes) for g in groups)
         self.config: EngineConfig = args.resolve(spec.max_position_embeddings, bytes_per_block)
         cache = self.config.cache
+        self._faults = FaultPlan.from_specs(args.faults)  # None without injected faults
+        self._hung_ids: set[str] = set()  # sequences a hang-step fault has already delayed
         self.kv_cache = KVCacheManager(groups, cache.num_blocks, cache.block_size, cache.enable_prefix_caching)
         self.scheduler = Scheduler(self.config.scheduler, self.kv_cache)
         shapes = kv_cache_shapes(groups, spec.num_layers, cache.num_blocks, cache.block_size)
         kv_caches = kv_cache_allocator(shapes, dtype) if kv_cache_allocator is not None else None
         self.runner = ModelRunner(
             self.loaded.model, groups, spec.num_layers, cache.num_blocks, cache.block_size,
-            dtype, device, self.config.seed, kv_caches,
+            dtype, device, self.config.seed, kv_caches, self._faults,
         )
         self._sequences: dict[str, _Sequence] = {}
         self._children: dict[str, list[str]] = {}
@@ -151,19 +169,25 @@ class LLMEngine:
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self._children:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        child_ids = []
-        for index in range(params.n):
-            child_params = params
-            if params.n > 1 and params.seed is not None:
-                child_params = replace(params, seed=params.seed + index)
-            child_id = request_id if params.n == 1 else f"{request_id}#{index}"
-            leader = child_ids[0] if child_ids else None
-            self._add_sequence(request_id, child_id, index, prompt_token_ids, child_params, leader)
-            request = self._sequences[child_id].request
-            request.mm_inputs = mm_inputs or []  # one list: siblings see the same readiness
-            request.is_mm_pipelined = is_mm_pipelined
-            child_ids.append(child_id)
+        child_ids: list[str] = []
         self._children[request_id] = child_ids
+        try:
+            for index in range(params.n):
+                child_params = params
+                if params.n > 1 and params.seed is not None:
+                    child_params = replace(params, seed=params.seed + index)
+                child_id = request_id if params.n == 1 else f"{request_id}#{index}"
+                leader = child_ids[0] if child_ids else None
+                self._add_sequence(request_id, child_id, index, prompt_token_ids, child_params, leader)
+                request = self._sequences[child_id].request
+                request.mm_inputs = mm_inputs or []  # one list: siblings see the same readiness
+                request.is_mm_pipelined = is_mm_pipelined
+                child_ids.append(child_id)
+        except Exception:
+            del self._children[request_id]  # all or nothing: no sequence of a refused request runs
+            for child_id in child_ids:
+                self._drop_sequence(child_id)
+            raise
         if mm_inputs:
             self._mm_inputs[request_id] = mm_inputs
         return request_id
@@ -203,20 +227,27 @@ class LLMEngine:
             wait_for_request_id=wait_for_request_id,
         )
         request.record(EventType.ARRIVED)
-        detokenizer = IncrementalDetokenizer(self.tokenizer, params)
-        self._sequences[request_id] = _Sequence(parent_id, index, request, detokenizer)
+        self._sequences[request_id] = _Sequence(parent_id, index, request, self._detokenizer(params))
         self.scheduler.add_request(request)
+
+    def _detokenizer(self, params: SamplingParams) -> IncrementalDetokenizer:
+        if self._faults is not None and self._faults.has(FaultKind.DETOK_ERROR, params.seed):
+            return FaultInjectingDetokenizer(self.tokenizer, params, self._faults)
+        return IncrementalDetokenizer(self.tokenizer, params)
 
     def abort(self, request_id: str) -> None:
         """Stop a request wherever it is (queued, running, reserved, transferring)."""
         self._mm_inputs.pop(request_id, None)
         child_ids = self._children.pop(request_id, None) or [request_id]
         for child_id in child_ids:
-            self.scheduler.finish_request(child_id, RequestStatus.FINISHED_ABORTED)
-            self._sequences.pop(child_id, None)
-            self.runner.release(child_id, aborted=True)
+            self._drop_sequence(child_id)
         if request_id in self.scheduler.transferring:
             self.scheduler.release_transfer(request_id)
+
+    def _drop_sequence(self, request_id: str) -> None:
+        self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+        self._sequences.pop(request_id, None)
+        self.runner.release(request_id, aborted=True)
 
     # -- P/D roles -----------------------------------------------------------------------
     def add_prefill_request(
@@ -228,9 +259,11 @@ class LLMEngine:
         kv_target_block_ids: list[list[int]],
         mm_inputs: list[MMInput] | None = None,
         is_mm_pipelined: bool = True,
+        kv_target_generation: int = 0,
     ) -> None:
         """Prefill worker: compute the prompt, sample the first token, push the KV to
-        ``kv_target``'s blocks; the blocks stay held until the transfer reports done."""
+        ``kv_target``'s blocks (reservation ``kv_target_generation``, see transfer/fence.py);
+        the blocks stay held until the transfer reports done."""
         _check_mm_inputs(mm_inputs or [], len(prompt_token_ids))
         prefill_params = replace(params, n=1, max_tokens=1, min_tokens=min(params.min_tokens, 1))
         self._add_sequence(request_id, request_id, 0, prompt_token_ids, prefill_params)
@@ -243,6 +276,7 @@ class LLMEngine:
         request.hold_kv_for_transfer = True
         request.kv_target = kv_target
         request.kv_target_block_ids = kv_target_block_ids
+        request.kv_target_generation = kv_target_generation
 
     def reserve(self, request_id: str, num_prompt_tokens: int) -> list[list[int]] | None:
         """Decode worker: blocks for a prompt whose KV a prefill worker will write."""
@@ -257,20 +291,29 @@ class LLMEngine:
         )
         request.output_token_ids.append(first_token_id)
         request.record(EventType.ARRIVED)
-        detokenizer = IncrementalDetokenizer(self.tokenizer, params)
+        detokenizer = self._detokenizer(params)
         detokenizer.prime([first_token_id])
         self._sequences[request_id] = _Sequence(request_id, 0, request, detokenizer)
         self._children[request_id] = [request_id]
         self.scheduler.add_prefilled(request)
 
     def poll_transfers(self) -> list[TransferStats]:
-        """Prefill worker: KV transfers that ended; their held blocks are freed here."""
+        """Prefill worker: KV transfers that ended; their held blocks are freed here. A
+        transfer of a request aborted or failed meanwhile is left out: whoever ended the
+        request reports its transfer."""
         if self.runner.pusher is None:
             return []
-        finished = self.runner.pusher.poll()
+        sched = self.scheduler
+        finished = [s for s in self.runner.pusher.poll()
+                    if s.request_id in sched.requests or s.request_id in sched.transferring]
         for stats in finished:
             self.scheduler.release_transfer(stats.request_id)
         return finished
+
+    def live_request_ids(self) -> list[str]:
+        """Every request this engine holds, by the id it came with: queued, running, reserved
+        (decode) and transferring (prefill)."""
+        return [*self._children, *self.scheduler.reserved, *self.scheduler.transferring]
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -282,28 +325,97 @@ class LLMEngine:
 
     # -- the loop ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        plan = self.scheduler.schedule()
+        """Schedule, run and sample one batch; the outputs it produced, and one error output
+        per request that failed in it (see the module docstring)."""
+        failed: dict[str, RequestOutput] = {}  # by the id the request was added with
+        try:
+            plan = self.scheduler.schedule()
+        except Exception as e:
+            if is_fatal(e):
+                raise
+            self.last_plan = SchedulerOutput()
+            # schedule() moves requests between queues and allocates their blocks in one
+            # pass: once it raised, no one request can be blamed and the queues may be
+            # half-updated, so every queued and running request fails. Transfers and
+            # reservations are held apart from the queues and stay.
+            log.exception("scheduling failed")
+            for request in self.scheduler.drop_queued():
+                self._fail(request.request_id, describe(e, "scheduling"), failed)
+            return list(failed.values())
         self.last_plan = plan
         if plan.is_empty:
             return []
         for entry in plan.scheduled:
             if entry.start_pos == entry.request.num_cached_tokens and not entry.request.output_token_ids:
                 entry.request.record(EventType.PREFILL_START)
-        model_start = time.perf_counter()
-        out = self.runner.execute(plan)
-        self.last_model_s = time.perf_counter() - model_start
-        self.scheduler.update(plan, out.sampled_token_ids)
+        try:
+            if self._faults is not None:
+                self._inject_step_faults(plan)
+            model_start = time.perf_counter()
+            out = self.runner.execute(plan)
+            self.last_model_s = time.perf_counter() - model_start
+            for request_id, message in out.failed.items():  # no token for them in ``out``
+                self._fail(request_id, message, failed)
+            self.scheduler.update(plan, out.sampled_token_ids)
+        except Exception as e:
+            if is_fatal(e):
+                raise
+            # One forward pass computes the whole batch together (and update() advances the
+            # whole batch's state in one pass): an exception there cannot be pinned on one
+            # request, and the KV written for any of them may be partial. The batch fails.
+            log.exception("model step failed")
+            for entry in plan.scheduled:
+                self._fail(entry.request.request_id, describe(e, "running the model"), failed)
+            return list(failed.values())
         outputs = []
         for entry in plan.scheduled:
             request = entry.request
             token_id = out.sampled_token_ids.get(request.request_id)
-            if token_id is None:
-                continue
+            if token_id is None or request.request_id not in self._sequences:
+                continue  # a chunk that samples nothing, or failed in this step
             if len(request.output_token_ids) == 1:
                 request.record(EventType.PREFILL_END)
                 request.record(EventType.FIRST_TOKEN)
-            outputs.append(self._process_token(request, token_id, out.logprobs.get(request.request_id)))
+            try:
+                outputs.append(self._process_token(request, token_id, out.logprobs.get(request.request_id)))
+            except Exception as e:
+                if is_fatal(e):
+                    raise
+                log.exception("detokenizing %s failed", request.request_id)
+                self._fail(request.request_id, describe(e, "detokenizing"), failed)
+        if failed:
+            outputs = [o for o in outputs if o.request_id not in failed] + list(failed.values())
         return outputs
+
+    def _fail(self, request_id: str, message: str, failed: dict[str, RequestOutput]) -> None:
+        """End the request that sequence ``request_id`` belongs to, all its sequences, with
+        ``message``: abort it (blocks, transfer hold and KV push released) and record its
+        error output in ``failed``."""
+        seq = self._sequences.get(request_id)
+        parent_id = seq.parent_id if seq is not None else request_id
+        if parent_id in failed:
+            return
+        log.warning("request %s failed: %s", parent_id, message)
+        self.abort(parent_id)
+        failed[parent_id] = RequestOutput(
+            request_id=parent_id, index=0, new_text="", new_token_ids=[], new_logprobs=[], finished=True,
+            finish_reason=ERROR_FINISH_REASON, num_prompt_tokens=seq.request.num_prompt_tokens if seq else 0,
+            num_cached_tokens=seq.request.num_cached_tokens if seq else 0, error=message,
+        )
+
+    def _inject_step_faults(self, plan: SchedulerOutput) -> None:
+        """``fatal`` and ``hang-step`` faults (tests) of the requests in this step."""
+        assert self._faults is not None
+        for entry in plan.scheduled:
+            request = entry.request
+            seed, num_output = request.sampling.seed, len(request.output_token_ids)
+            if self._faults.find(FaultKind.FATAL, seed, num_output) is not None:
+                raise torch.OutOfMemoryError(f"injected fatal fault (seed {seed}) for {request.request_id}")
+            hang = self._faults.find(FaultKind.HANG_STEP, seed, num_output)
+            if hang is not None and request.request_id not in self._hung_ids:
+                self._hung_ids.add(request.request_id)
+                log.warning("injected hang: the step of %s sleeps %g s", request.request_id, hang.seconds)
+                time.sleep(hang.seconds)
 
     def _process_token(self, request: Request, token_id: int, logprob: TokenLogprobs | None) -> RequestOutput:
         seq = self._sequences[request.request_id]
@@ -351,6 +463,9 @@ class LLMEngine:
                 c.finish_reason = out.finish_reason
                 c.num_prompt_tokens = out.num_prompt_tokens
                 c.num_cached_tokens = out.num_cached_tokens
+                if out.error is not None:
+                    for sibling in results[out.request_id]:
+                        sibling.finish_reason, sibling.error = out.finish_reason, out.error
         return [results[rid] for rid in ids]
 
 

@@ -9,16 +9,22 @@ attention masks out.
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, field
 
 import torch
 
+from epdserve.engine.failures import describe, is_fatal
 from epdserve.engine.kv_cache import KVCacheGroupSpec
-from epdserve.engine.sampler import Sampler, SampleResult, TokenLogprobs
+from epdserve.engine.sampler import FaultInjectingSampler, Sampler, SampleResult, TokenLogprobs
 from epdserve.engine.scheduler import ScheduledRequest, SchedulerOutput
+from epdserve.faults import FaultPlan
 from epdserve.models.layers import paged_attention_cpu
 from epdserve.models.layers.attention import AttentionMetadata, GroupAttentionMetadata, forward_context
+from epdserve.request import Request
 from epdserve.transfer.connector import KVPusher, PushItem
+
+log = logging.getLogger("epdserve.engine")
 
 
 @dataclass(frozen=True)
@@ -26,6 +32,8 @@ class RunnerOutput:
     sampled_token_ids: dict[str, int]
     logprobs: dict[str, TokenLogprobs]
     num_tokens: int
+    # Requests whose sampling raised (request id -> message): no token for them this step.
+    failed: dict[str, str] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -40,9 +48,11 @@ class ModelRunner:
         device: torch.device,
         seed: int = 0,
         kv_caches: list[torch.Tensor] | None = None,
+        faults: FaultPlan | None = None,
     ) -> None:
         """``kv_caches``: pages allocated by the caller (e.g. in shared memory), one tensor per
-        layer of the shape above; zero-filled tensors are allocated when None."""
+        layer of the shape above; zero-filled tensors are allocated when None. ``faults``:
+        sampling faults to inject (tests)."""
         self.model = model
         self.groups = groups
         self.block_size = block_size
@@ -57,7 +67,8 @@ class ModelRunner:
                 for shape in kv_cache_shapes(groups, num_layers, num_blocks, block_size)
             ]
         self.kv_caches = kv_caches
-        self.sampler = Sampler(seed, device)
+        self.sampler: Sampler = (Sampler(seed, device) if faults is None
+                                 else FaultInjectingSampler(seed, device, faults))
         self.pusher: KVPusher | None = None  # set on a prefill worker of a P/D pair
         if device.type == "cpu":
             paged_attention_cpu.is_available()  # build or load the kernel now, not in the first step
@@ -68,6 +79,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> RunnerOutput:
+        """Run the batch's forward pass and sample. An exception in the forward pass
+        propagates (it belongs to the whole batch); one in sampling costs only the requests
+        whose rows raise (``RunnerOutput.failed``), unless it is fatal."""
         # Single-token entries first: attention runs them as one batch.
         entries = sorted(plan.scheduled, key=lambda e: e.num_new_tokens != 1)
         num_decode = sum(1 for e in entries if e.num_new_tokens == 1)
@@ -94,16 +108,39 @@ class ModelRunner:
             if e.will_sample:
                 sample_rows.append(offset - 1)
                 sample_entries.append(e)
-        sampled: dict[str, int] = {}
-        logprobs: dict[str, TokenLogprobs] = {}
+        out = RunnerOutput({}, {}, len(input_ids))
         if sample_rows:
             logits = self.model.compute_logits(hidden[sample_rows])
-            result: SampleResult = self.sampler(logits, [e.request for e in sample_entries])
-            for e, token_id, lp in zip(sample_entries, result.token_ids, result.logprobs):
-                sampled[e.request.request_id] = token_id
-                if lp is not None:
-                    logprobs[e.request.request_id] = lp
-        return RunnerOutput(sampled, logprobs, len(input_ids))
+            self._sample(logits, [e.request for e in sample_entries], out)
+        return out
+
+    def _sample(self, logits: torch.Tensor, requests: list[Request], out: RunnerOutput) -> None:
+        """Sample the batch at once; if that raises, each row alone, failing the rows that
+        raise again. A seeded row drawn before the batch raised draws once more from its
+        generator, so its token can differ from a run without the failure (still seeded)."""
+        try:
+            self._collect(requests, self.sampler(logits, requests), out)
+            return
+        except Exception as e:
+            if is_fatal(e):
+                raise
+            log.warning("sampling a batch of %d failed (%s: %s); sampling row by row",
+                        len(requests), type(e).__name__, e)
+        for i, request in enumerate(requests):
+            try:
+                self._collect([request], self.sampler(logits[i : i + 1], [request]), out)
+            except Exception as e:
+                if is_fatal(e):
+                    raise
+                log.exception("sampling %s failed", request.request_id)
+                out.failed[request.request_id] = describe(e, "sampling")
+
+    @staticmethod
+    def _collect(requests: list[Request], result: SampleResult, out: RunnerOutput) -> None:
+        for request, token_id, lp in zip(requests, result.token_ids, result.logprobs):
+            out.sampled_token_ids[request.request_id] = token_id
+            if lp is not None:
+                out.logprobs[request.request_id] = lp
 
     def _input_embeds(self, entries: list[ScheduledRequest], ids_t: torch.Tensor) -> torch.Tensor | None:
         """Token embeddings with image positions taken from their encoder rows; None when the
@@ -190,6 +227,7 @@ class ModelRunner:
                 PushItem(
                     request.request_id, request.kv_target, start, e.start_pos + e.num_new_tokens,
                     e.block_tables, request.kv_target_block_ids, e.will_sample,
+                    request.kv_target_generation,
                 )
             )
         return items

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from epdserve.faults import FaultKind, FaultPlan
 from epdserve.request import Request
 
 
@@ -116,3 +117,19 @@ class Sampler:
             generator.manual_seed(seed)
             self._generators[request.request_id] = generator
         return generator
+
+
+class FaultInjectingSampler(Sampler):
+    """A Sampler that raises, as a bug inside sampling would, for the sequences a fault plan
+    names (``sample-error``, tests only; the engine uses a plain Sampler without faults)."""
+
+    def __init__(self, seed: int, device: torch.device, faults: FaultPlan) -> None:
+        super().__init__(seed, device)
+        self.faults = faults
+
+    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SampleResult:
+        for request in requests:
+            seed, num_output = request.sampling.seed, len(request.output_token_ids)
+            if self.faults.find(FaultKind.SAMPLE_ERROR, seed, num_output) is not None:
+                raise RuntimeError(f"injected sampling fault (seed {seed}) for {request.request_id}")
+        return super().__call__(logits, requests)

@@ -96,6 +96,18 @@ class Scheduler:
             self.kv_cache.free(request_id)
         return request
 
+    def drop_queued(self) -> list[Request]:
+        """Forget every waiting and running request and free its blocks (after ``schedule``
+        raised: its queues may be half-updated); transfers and reservations stay."""
+        dropped = list(self.requests.values())
+        for request in dropped:
+            request.status = RequestStatus.FINISHED_ABORTED
+            self.kv_cache.free(request.request_id)
+        self.requests.clear()
+        self.waiting.clear()
+        self.running.clear()
+        return dropped
+
     def _drop_held(self, request_id: str) -> Request | None:
         if request_id in self.reserved:
             self.release_reservation(request_id)

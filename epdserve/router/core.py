@@ -31,7 +31,7 @@ from epdserve.gc_heap import GCPauseObserver
 from epdserve.router.encode_stage import EncodeStage, PathImages
 from epdserve.router.images import ImageInput
 from epdserve.router.metrics import RouterMetrics
-from epdserve.router.workers import DEFAULT_ROUTING, WorkerInfo, WorkerRegistry
+from epdserve.router.workers import DEFAULT_ROUTING, WorkerInfo, WorkerRegistry, WorkerState
 from epdserve.sampling import SamplingParams
 
 log = logging.getLogger("epdserve.router")
@@ -48,7 +48,12 @@ class Overloaded(EpdserveError):
 
 @dataclass(frozen=True)
 class RouterConfig:
+    # Liveness lease: a worker whose heartbeats stop this long is suspected, its requests fail.
     heartbeat_timeout_s: float = 1.0
+    # Progress watchdog: a worker whose loop has been in one step this long (its heartbeats say)
+    # is treated like a dead one; either way it serves again once it reconciles.
+    step_timeout_s: float = 60.0
+    first_token_timeout_s: float = 120.0  # admitted -> first token; then the request fails (0: none)
     reserve_timeout_s: float = 5.0
     transfer_timeout_s: float = 30.0  # first token out -> KV landed; then the policy applies
     transfer_policy: str = "fail"  # "fail" | "recompute" (decode worker computes the prompt)
@@ -60,6 +65,8 @@ class RouterConfig:
     def __post_init__(self) -> None:
         if self.transfer_policy not in ("fail", "recompute"):
             raise EpdserveError(f"transfer policy must be fail or recompute, got {self.transfer_policy!r}")
+        if self.heartbeat_timeout_s <= 0 or self.step_timeout_s <= 0 or self.first_token_timeout_s < 0:
+            raise EpdserveError("the worker lease and step timeout must be positive, the first-token timeout >= 0")
 
 
 @dataclass
@@ -79,6 +86,7 @@ class RequestHandle:
     num_finished: int = 0  # finished sequences the consumer of ``events`` has seen
     num_finished_outputs: int = 0  # finished sequences the router has seen
     last_token_time: float = 0.0
+    first_token_timer: asyncio.TimerHandle | None = None
 
     async def events(self) -> AsyncIterator[StreamEvent]:
         while self.num_finished < self.n:
@@ -124,6 +132,10 @@ class Router:
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted worker takes over its id
+        # A send to a worker that is not connected, or whose queue is full, fails at once (and
+        # fails the request it was for) instead of being dropped unseen.
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.sock.setsockopt(zmq.SNDHWM, SEND_HWM)
         if port:
             self.sock.bind(f"tcp://{host}:{port}")
         else:
@@ -135,6 +147,8 @@ class Router:
         self._registered = asyncio.Event()
         self._pidfds: dict[str, int] = {}
         self.encode = EncodeStage(self, self.config.encode_pipelined)
+        self.metrics.pending.set_function(lambda: len(self.handles))
+        self.metrics.paths.set_function(lambda: len(self.paths))
 
     # -- lifecycle -----------------------------------------------------------------------
     async def start(self) -> None:
@@ -232,9 +246,19 @@ class Router:
                 self._start_colocated(handle, prompt_token_ids, params, images)
             else:
                 await self._start_pd(handle, prompt_token_ids, params, images)
-        except Overloaded:
+        except BaseException as e:
+            # Whatever stopped the start (a refusal, a send that failed, the client's task
+            # cancelled while a reservation was pending): nothing of the request stays behind.
+            for path in list(handle.paths):
+                self._abort_path(path)
             self._drop_handle(handle)
-            raise
+            if isinstance(e, Overloaded | asyncio.CancelledError):
+                raise
+            log.exception("cannot start request %s", request_id)
+            raise Overloaded(f"cannot start the request: {type(e).__name__}", 503) from None
+        if self.config.first_token_timeout_s:
+            handle.first_token_timer = asyncio.get_running_loop().call_later(
+                self.config.first_token_timeout_s, self._on_first_token_timeout, handle)
         handle.timing.admitted = time.time()
         self.metrics.prompt_tokens.inc(len(prompt_token_ids) * params.n)
         self.metrics.images.inc(len(images))
@@ -255,8 +279,8 @@ class Router:
                     colocated=worker.worker_id)
         refs = self.encode.place(path, worker, images) if images else []
         self._add_path(path, worker, len(prompt))
-        self._post(worker.worker_id, m.Submit(path.path_id, prompt, sampling_to_dict(params), images=refs,
-                                              mm_pipelined=self.config.encode_pipelined))
+        self._submit(worker.worker_id, m.Submit(path.path_id, prompt, sampling_to_dict(params), images=refs,
+                                                mm_pipelined=self.config.encode_pipelined))
         self.encode.dispatch(path)
 
     async def _start_pd(
@@ -291,9 +315,10 @@ class Router:
             path.prefill = prefill.worker_id
             path.phase = "prefilling"
             prefill.take(path.path_id, len(prompt))
-            self._post(prefill.worker_id, m.Submit(
+            block_ids, generation = path.reserved.result() if path.reserved else ([], 0)
+            self._submit(prefill.worker_id, m.Submit(
                 path.path_id, prompt, sampling_to_dict(path.params), kv_target=path.decode or "",
-                kv_target_block_ids=path.reserved.result() if path.reserved else [],
+                kv_target_block_ids=block_ids, kv_target_generation=generation,
                 images=refs, mm_pipelined=self.config.encode_pipelined,
             ))
             self.encode.dispatch(path)
@@ -307,7 +332,7 @@ class Router:
         path.decode = decode.worker_id
         path.reserved = asyncio.get_running_loop().create_future()
         self._add_path(path, decode, 0)
-        self._post(decode.worker_id, m.Reserve(path.path_id, len(path.prompt_token_ids)))
+        self._submit(decode.worker_id, m.Reserve(path.path_id, len(path.prompt_token_ids)))
         try:
             await asyncio.wait_for(asyncio.shield(path.reserved), self.config.reserve_timeout_s)
         except asyncio.TimeoutError:
@@ -382,24 +407,50 @@ class Router:
 
     def _drop_handle(self, handle: RequestHandle) -> None:
         self.handles.pop(handle.request_id, None)
+        if handle.first_token_timer is not None:
+            handle.first_token_timer.cancel()
+            handle.first_token_timer = None
 
     def _fail(self, path: Path, message: str) -> None:
-        handle = path.handle
+        self._fail_handle(path.handle, message)
+
+    def _fail_handle(self, handle: RequestHandle, message: str, outcome: str = "failed") -> None:
+        """End the request with an error to its client; every path of it is stopped."""
         if handle.request_id in self.handles:
             handle.queue.put_nowait(StreamEvent(error=message))
             self._drop_handle(handle)
-            self.metrics.requests.labels("failed").inc()
+            self.metrics.requests.labels(outcome).inc()
         for other in list(handle.paths):
             self._abort_path(other)
 
+    def _on_first_token_timeout(self, handle: RequestHandle) -> None:
+        handle.first_token_timer = None
+        if handle.request_id in self.handles and handle.timing.first_token == 0.0:
+            self._fail_handle(handle, f"no first token within {self.config.first_token_timeout_s:g} s "
+                                      "(--first-token-timeout)", outcome="timeout")
+
     # -- worker messages -----------------------------------------------------------------
-    def _post(self, worker_id: str | None, msg: m.Msg) -> None:
+    def _post(self, worker_id: str | None, msg: m.Msg) -> bool:
+        """Send without waiting; False when the message could not be sent (the worker is not
+        connected, its queue is full, or the message cannot be encoded)."""
         if worker_id is None:
-            return
+            return False
         try:
-            self.sock.send_multipart([worker_id.encode(), m.encode(msg)], zmq.NOBLOCK)
-        except zmq.ZMQError as e:
-            log.warning("cannot send to %s: %s", worker_id, e)
+            # With NOBLOCK the asyncio socket tries the send at once and hands back a finished
+            # future, holding the error when the send failed.
+            sent = self.sock.send_multipart([worker_id.encode(), m.encode(msg)], zmq.NOBLOCK)
+            error = sent.exception() if sent.done() else None
+        except (zmq.ZMQError, msgspec.EncodeError, OverflowError, TypeError) as e:
+            error = e
+        if error is not None:
+            log.warning("cannot send %s to %s: %s", type(msg).__name__, worker_id, error)
+            return False
+        return True
+
+    def _submit(self, worker_id: str, msg: m.Msg) -> None:
+        """Send what starts a request; a worker that cannot take it is a 503 for the request."""
+        if not self._post(worker_id, msg):
+            raise Overloaded(f"worker {worker_id} cannot be reached", 503, retry_after=1)
 
     def _is_ready(self, worker_id: str) -> bool:
         worker = self.registry.get(worker_id)
@@ -407,7 +458,11 @@ class Router:
 
     async def _recv_loop(self) -> None:
         while True:
-            identity, payload = await self.sock.recv_multipart()
+            frames = await self.sock.recv_multipart()
+            if len(frames) != 2:  # a worker sends one frame (the router socket adds its identity)
+                log.warning("dropping a message of %d frames", len(frames))
+                continue
+            identity, payload = frames
             try:
                 msg = m.decode(payload)
             except Exception as e:  # a malformed frame must not stop the router
@@ -419,29 +474,34 @@ class Router:
                 log.exception("error handling %s", type(msg).__name__)
 
     def _dispatch(self, sender: str, msg: m.Message) -> None:
-        if isinstance(msg, m.Heartbeat):
-            self._on_heartbeat(msg)
-        elif isinstance(msg, m.Register):
-            self._on_register(msg)
-        elif isinstance(msg, m.Outputs):
-            self._on_outputs(msg)
-        elif isinstance(msg, m.Reserved):
-            self._on_reserved(msg)
-        elif isinstance(msg, m.TransferDone):
-            self._on_transfer_done(msg)
-        elif isinstance(msg, m.EncodeDone):
-            self.encode.on_encode_done(sender, msg)
-        elif isinstance(msg, m.EmbeddingLanded):
-            self.encode.on_embedding_landed(msg)
-        elif isinstance(msg, m.RequestFailed):
-            path = self.paths.get(msg.request_id)
-            if path is not None:
-                self._fail(path, msg.message)
+        match msg:
+            case m.Heartbeat():
+                self._on_heartbeat(msg)
+            case m.Register():
+                self._on_register(msg)
+            case m.Outputs():
+                self._on_outputs(msg)
+            case m.Reserved():
+                self._on_reserved(msg)
+            case m.TransferDone():
+                self._on_transfer_done(msg)
+            case m.ReservationExpired():
+                self._on_reservation_expired(sender, msg)
+            case m.EncodeDone():
+                self.encode.on_encode_done(sender, msg)
+            case m.EmbeddingLanded():
+                self.encode.on_embedding_landed(msg)
+            case m.RequestFailed():
+                path = self.paths.get(msg.request_id)
+                if path is not None:
+                    self._fail(path, msg.message)
 
     def _on_register(self, msg: m.Register) -> None:
         old = self.registry.get(msg.worker_id)
         if old is not None and old.is_ready:
             self._mark_dead(msg.worker_id, "worker re-registered")
+        elif old is not None and old.state is WorkerState.SUSPECT:
+            log.info("worker %s is back and reconciled", msg.worker_id)
         info = WorkerInfo(msg.worker_id, msg.role, msg.pid, msg.host, msg.model_name, msg.max_model_len,
                           msg.num_kv_blocks, msg.block_size, msg.kv_endpoint, can_encode=msg.can_encode)
         self.registry.add(info)
@@ -459,9 +519,22 @@ class Router:
 
     def _on_heartbeat(self, msg: m.Heartbeat) -> None:
         worker = self.registry.get(msg.worker_id)
-        if worker is None or not worker.is_ready:
+        if worker is None or worker.state is WorkerState.DEAD:
             return
-        worker.last_seen = time.monotonic()
+        now = time.monotonic()
+        worker.last_seen = now
+        is_hung = msg.step_age_s > self.config.step_timeout_s
+        if worker.state is WorkerState.SUSPECT:
+            # Its heartbeats are back: once its loop moves again, it drops what the router
+            # failed meanwhile and registers again (then it is READY).
+            if not is_hung and now - worker.last_reconcile >= self.config.heartbeat_timeout_s:
+                worker.last_reconcile = now
+                self._post(worker.worker_id, m.Reconcile([]))
+            return
+        if is_hung:
+            self._suspect(worker.worker_id, f"its step has been running for {msg.step_age_s:.1f} s "
+                                            f"(step timeout {self.config.step_timeout_s:g} s)")
+            return
         worker.load = msg.load
         worker.num_submitted = 0
         load = msg.load
@@ -473,7 +546,7 @@ class Router:
         if path is None or path.reserved is None or path.reserved.done():
             return
         if msg.ok:
-            path.reserved.set_result(msg.block_ids)
+            path.reserved.set_result((msg.block_ids, msg.generation))
         else:
             path.reserved.set_exception(_ReservationRefused(msg.reason))
 
@@ -491,6 +564,8 @@ class Router:
                 out = msgspec.structs.replace(out, index=path.index)
                 if msg.worker_id == path.prefill and path.phase == "prefilling":
                     out = self._on_first_token(path, out)
+                elif msg.worker_id != path.decode or path.phase != "decoding":
+                    continue  # late output of a worker this path has left (e.g. after a recompute)
                 elif out.finished:
                     self._finish_path(path)
             self._observe_token(handle, out, now)
@@ -571,15 +646,17 @@ class Router:
         # A prompt with images cannot be recomputed by a decode worker (it has no embeddings).
         if (self.config.transfer_policy == "recompute" and decode is not None and decode.is_ready
                 and path.mm is None):
-            # The decode worker computes the prompt itself and continues after the first token.
-            # Same id: the abort releases the reservation before the new request arrives.
+            # The decode worker computes the prompt itself and continues after the first token
+            # (or from the prompt, when no first token came yet). Same id: the abort releases
+            # the reservation before the new request arrives.
             path.phase = "decoding"
-            params = replace(path.params, max_tokens=path.params.max_tokens - 1,
-                             min_tokens=max(0, path.params.min_tokens - 1))
-            prompt = path.prompt_token_ids + [path.first_token_id]
+            params, prompt = path.params, path.prompt_token_ids
+            if path.first_token_id is not None:
+                params = replace(params, max_tokens=params.max_tokens - 1, min_tokens=max(0, params.min_tokens - 1))
+                prompt = prompt + [path.first_token_id]
             self._post(decode.worker_id, m.Abort(path.path_id))
-            self._post(decode.worker_id, m.Submit(path.path_id, prompt, sampling_to_dict(params)))
-            return
+            if self._post(decode.worker_id, m.Submit(path.path_id, prompt, sampling_to_dict(params))):
+                return
         self._fail(path, reason)
 
     def _observe_token(self, handle: RequestHandle, out: m.TokenOutput, now: float) -> None:
@@ -588,6 +665,9 @@ class Router:
         if handle.timing.first_token == 0.0:
             self._observe_inline_encode(handle.timing, out)
             handle.timing.first_token = now
+            if handle.first_token_timer is not None:
+                handle.first_token_timer.cancel()
+                handle.first_token_timer = None
             self.metrics.ttft.observe(now - handle.timing.arrived)
             if handle.timing.prefill_start or out.prefill_start:
                 start = handle.timing.prefill_start or out.prefill_start
@@ -619,31 +699,72 @@ class Router:
             deadline = time.monotonic() - self.config.heartbeat_timeout_s
             for worker in list(self.registry.workers.values()):
                 if worker.is_ready and worker.last_seen < deadline:
-                    self._mark_dead(worker.worker_id, "worker missed its heartbeats")
+                    self._suspect(worker.worker_id, "worker missed its heartbeat lease "
+                                                    f"({self.config.heartbeat_timeout_s:g} s)")
+
+    def _suspect(self, worker_id: str, reason: str) -> None:
+        """READY -> SUSPECT: the worker may still be alive (paused, hung); it gets no more
+        requests, those in hand fail now, and it serves again after it reconciles."""
+        self._give_up(worker_id, WorkerState.SUSPECT, reason)
 
     def _mark_dead(self, worker_id: str, reason: str) -> None:
+        """The worker's process exited (or another registered under its id)."""
+        self._give_up(worker_id, WorkerState.DEAD, reason)
+
+    def _give_up(self, worker_id: str, state: WorkerState, reason: str) -> None:
         worker = self.registry.get(worker_id)
-        if worker is None or not worker.is_ready:
+        if worker is None or worker.state is WorkerState.DEAD:
             return
-        worker.state = "dead"
+        was_ready = worker.is_ready
+        worker.state = state
+        if not was_ready:
+            return  # SUSPECT -> DEAD: its requests failed already
+        worker.last_reconcile = 0.0
         self.metrics.worker_up.labels(worker_id, worker.role).set(0)
-        log.warning("worker %s (%s) is dead: %s", worker_id, worker.role, reason)
+        log.warning("worker %s (%s) is %s: %s", worker_id, worker.role, state.value, reason)
         if worker.role == "decode":
             for prefill in self.registry.ready("prefill"):
                 self._post(prefill.worker_id, m.PeerDown(worker_id))
         for path_id in list(worker.request_ids):
             path = self.paths.get(path_id)
             worker.drop(path_id)
-            if path is None or path.done:
+            if path is None:
                 continue
             if path.mode == "pd" and worker.role == "prefill":
-                path.transfer_done = True  # a dead prefill worker writes nothing more
+                # It writes nothing more that could land: a dead process writes nothing, and a
+                # paused or hung one that resumes finds the decode worker's fence closed
+                # (transfer/fence.py). So the decode side need not wait for its TransferDone.
+                path.transfer_done = True
+                if path.done:
+                    self._post(path.decode, m.Abort(path.path_id))
+                    self._release(path, path.decode)
+                    continue
+            if path.done:
+                continue
             if path.mode == "pd" and worker.role == "decode" and path.phase == "draining":
                 path.done = True
                 continue
-            self._fail(path, f"{worker.role} worker {worker_id} failed while serving this request")
+            self._fail(path, f"{worker.role} worker {worker_id} failed while serving this request ({reason})")
         self.encode.on_worker_dead(worker)
+
+    def _on_reservation_expired(self, sender: str, msg: m.ReservationExpired) -> None:
+        """The decode worker gave the reservation's blocks back (its KV did not land in time);
+        writes for it are refused from now on. The prefill side stops, and the request fails or
+        the decode worker computes the prompt itself (``transfer_policy``)."""
+        path = self.paths.get(msg.request_id)
+        if path is None or path.done or path.mode != "pd" or sender != path.decode:
+            return
+        if path.phase == "prefilling":
+            self._post(path.prefill, m.Abort(path.path_id))
+            path.first_token_id = None
+            self._transfer_failed(path, "the decode worker's KV reservation expired before the prompt's KV landed")
+        elif path.phase == "transferring":
+            self._post(path.prefill, m.Abort(path.path_id))
+            self._transfer_failed(path, "the decode worker's KV reservation expired before the KV landed")
 
 
 class _ReservationRefused(Exception):
     pass
+
+
+SEND_HWM = 100_000  # messages queued for one worker at most; then sends to it fail

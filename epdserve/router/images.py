@@ -2,9 +2,10 @@
 
     {"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}
 
-Data URLs are decoded here; ``http(s)`` URLs are fetched only from hosts on the allow-list
-(``--allowed-media-domains``), with a size cap and a timeout. Every image is probed (format,
-size, fully decodable) before admission, so a bad image is a 400 and never reaches a worker.
+Data URLs are decoded here; ``http(s)`` URLs are fetched by ``media_fetch`` (allow-listed
+hosts, public addresses only, redirects refused or checked per hop, a size cap, one deadline
+for all of a request's images). Every image is probed (format, pixel count from the header,
+then fully decodable) before admission, so a bad image is a 400 and never reaches a worker.
 The rendered chat prompt gets each image's token ids (the model's template for one image,
 sized by the resolution policy) where the image part was.
 """
@@ -14,24 +15,18 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
-import urllib.parse
 from dataclasses import dataclass
 
 from epdserve.errors import InvalidRequestError
 from epdserve.models.image_processing import ImageGrid, content_hash, probe_image
 from epdserve.models.multimodal import ImageSpan, MultimodalSpec
 from epdserve.models.tokenizer import Tokenizer
+from epdserve.router.media_fetch import ImageLimits, check_remote_url, fetch_images
+
+__all__ = ["ChatPrompt", "ImageInput", "ImageLimits", "build_chat_prompt", "load_image_bytes", "load_images"]
 
 # Stands for an image in the rendered chat text; split out before tokenizing.
 _SENTINEL = "\x00epdserve-image\x00"
-
-
-@dataclass(frozen=True)
-class ImageLimits:
-    max_images_per_request: int = 16
-    max_image_bytes: int = 20 << 20  # the encoded file
-    allowed_media_domains: tuple[str, ...] = ()  # hosts http(s) image URLs may come from
-    fetch_timeout_s: float = 10.0
 
 
 @dataclass(frozen=True)
@@ -65,34 +60,25 @@ def _decode_data_url(url: str, limits: ImageLimits) -> bytes:
         raise InvalidRequestError("image data URL is not valid base64") from None
 
 
-async def _fetch(url: str, limits: ImageLimits) -> bytes:
-    import aiohttp
-
-    timeout = aiohttp.ClientTimeout(total=limits.fetch_timeout_s)
-    try:
-        async with aiohttp.ClientSession(timeout=timeout) as session, session.get(url) as resp:
-            if resp.status != 200:
-                raise InvalidRequestError(f"fetching image {url} returned HTTP {resp.status}")
-            data = await resp.content.read(limits.max_image_bytes + 1)
-    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-        raise InvalidRequestError(f"cannot fetch image {url}: {type(e).__name__}") from None
-    if len(data) > limits.max_image_bytes:
-        raise InvalidRequestError(f"image is larger than {limits.max_image_bytes} bytes")
-    return data
+async def load_images(urls: list[str], limits: ImageLimits) -> list[bytes]:
+    """The image file of each URL, in order: data URLs decoded, http(s) URLs checked, then
+    fetched concurrently within one deadline (``media_fetch``)."""
+    files: dict[int, bytes] = {}
+    remote: dict[int, str] = {}
+    for index, url in enumerate(urls):
+        if url.startswith("data:"):
+            files[index] = _decode_data_url(url, limits)
+        else:
+            check_remote_url(url, limits)
+            remote[index] = url
+    if remote:
+        files.update(zip(remote, await fetch_images(list(remote.values()), limits)))
+    return [files[index] for index in range(len(urls))]
 
 
 async def load_image_bytes(url: str, limits: ImageLimits) -> bytes:
-    if url.startswith("data:"):
-        return _decode_data_url(url, limits)
-    parsed = urllib.parse.urlparse(url)
-    if parsed.scheme not in ("http", "https") or not parsed.hostname:
-        raise InvalidRequestError("image_url must be a data: URL or an http(s) URL")
-    if parsed.hostname not in limits.allowed_media_domains:
-        raise InvalidRequestError(
-            f"remote image URLs are not allowed (host {parsed.hostname!r}); send the image as a "
-            "data: URL, or start the server with --allowed-media-domains"
-        )
-    return await _fetch(url, limits)
+    """The image file of one ``image_url`` (see ``load_images``)."""
+    return (await load_images([url], limits))[0]
 
 
 def _image_url(part: dict) -> str:
@@ -149,7 +135,7 @@ async def build_chat_prompt(
         raise InvalidRequestError(
             f"the request has {len(urls)} images; at most {limits.max_images_per_request} are allowed"
         )
-    files = [await load_image_bytes(url, limits) for url in urls]
+    files = await load_images(urls, limits)
     grids = await asyncio.gather(*(asyncio.to_thread(probe_image, data, spec.policy) for data in files)) if files else []
     segments = _render(tokenizer, text_messages, part_messages, len(files))
     token_ids: list[int] = []

@@ -35,6 +35,9 @@ class RouterMetrics:
                                   ["generation"], buckets=_GC_PAUSE_BUCKETS, registry=r)
         self.gc_frozen = Gauge("epdserve_router_gc_frozen_objects",
                                "Objects alive at the end of start-up, out of the collector's reach", registry=r)
+        # What the router holds: both return to 0 when no request is in the server.
+        self.pending = Gauge("epdserve_router_requests_pending", "Admitted requests not yet finished", registry=r)
+        self.paths = Gauge("epdserve_router_request_paths", "Sequences the router tracks on workers", registry=r)
         labels = ["worker", "role"]
         self.blocks_used = Gauge("epdserve_worker_kv_blocks_used", "KV blocks in use", labels, registry=r)
         self.blocks_free = Gauge("epdserve_worker_kv_blocks_free", "KV blocks free", labels, registry=r)

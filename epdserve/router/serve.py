@@ -11,6 +11,7 @@ import socket
 import sys
 import time
 
+from epdserve.envs import EPDSERVE_API_KEY, get_api_key
 from epdserve.errors import ConfigError
 from epdserve.router.workers import DEFAULT_ROUTING, ROUTING_POLICIES
 
@@ -32,12 +33,30 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--transfer-timeout", type=float, default=30.0, help="seconds for a KV transfer to land")
     g.add_argument("--transfer-policy", choices=("fail", "recompute"), default="fail")
     g.add_argument("--max-pending", type=int, default=512, help="requests in the server at once (then 429)")
+    d = parser.add_argument_group("deadlines and liveness")
+    d.add_argument("--first-token-timeout", type=float, default=120.0,
+                   help="seconds from admission to the first token; then the request fails (0: no limit)")
+    d.add_argument("--worker-lease", type=float, default=1.0,
+                   help="seconds without a heartbeat before a worker is suspected and its requests fail "
+                        "(it serves again once its heartbeats return and it reconciles)")
+    d.add_argument("--step-timeout", type=float, default=60.0,
+                   help="seconds one worker step may run before the worker is treated like a dead one")
+    d.add_argument("--reservation-lease", type=float, default=120.0,
+                   help="decode workers: seconds a KV reservation waits for its KV before it expires")
     g.add_argument("--routing", choices=ROUTING_POLICIES, default=DEFAULT_ROUTING,
                    help="pick the worker with the fewest prompt tokens still to prefill (then fewest requests), "
                         "or by requests in hand alone")
-    g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    g.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every path but /health (default: $EPDSERVE_API_KEY, "
+                        "which keeps the key out of process listings)")
+    g.add_argument("--public-metrics", action="store_true", help="serve /metrics and /v1/workers without the API key")
+    g.add_argument("--max-n", type=int, default=16, help="sequences one request may ask for (n)")
+    g.add_argument("--max-request-bytes", type=int, default=64 << 20,
+                   help="largest request body in bytes (then 413)")
     g.add_argument("--served-model-name", action="append", default=None, help="model names clients may use")
     g.add_argument("--startup-timeout", type=float, default=300.0)
+    g.add_argument("--max-worker-restarts", type=int, default=5,
+                   help="restart a worker that dies at most N times in 10 minutes, with back-off (0: never)")
     g.add_argument("--worker-log-dir", default=None, help="write each worker's output to DIR/<id>.log")
     g.add_argument("--step-trace-dir", default=None,
                    help="each prefill/decode/colocated worker writes its model steps (shape, time in service) "
@@ -55,6 +74,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     v.add_argument("--encoder-cache-mb", type=float, default=256.0, help="content-hash embedding cache per encoder")
     v.add_argument("--max-images-per-request", type=int, default=16)
     v.add_argument("--allowed-media-domains", nargs="*", default=[], help="hosts http(s) image URLs may be fetched from")
+    v.add_argument("--media-follow-redirects", action="store_true",
+                   help="follow redirects of http(s) image URLs (at most 3 hops, each checked like the URL)")
+    v.add_argument("--allow-private-media-addresses", action="store_true",
+                   help="fetch images from loopback, private, link-local, ... addresses too")
     # Fault injection for tests: prefill workers never finish a KV transfer.
     g.add_argument("--debug-stall-kv-transfers", action="store_true", help=argparse.SUPPRESS)
 
@@ -74,6 +97,8 @@ def worker_engine_args(ns: argparse.Namespace) -> list[str]:
         args.append("--no-prefix-caching")
     if ns.no_chunked_prefill:
         args.append("--no-chunked-prefill")
+    for fault in ns.debug_fault:
+        args += ["--debug-fault", fault]
     return args
 
 
@@ -94,6 +119,8 @@ def plan_workers(ns: argparse.Namespace) -> list[str]:
         raise ConfigError("--cores-per-worker must be at least 1")
     if encode and ns.embed_slab_mb <= 0:
         raise ConfigError("encode workers need --embed-slab-mb > 0")
+    if ns.max_n < 1 or ns.max_request_bytes < 1:
+        raise ConfigError("--max-n and --max-request-bytes must be at least 1")
     if ns.max_images_per_request < 1 or ns.encode_batch_images < 1:
         raise ConfigError("--max-images-per-request and --encode-batch-images must be at least 1")
     # Encode workers first: with fewer cores than workers, they share a core with decode.
@@ -132,7 +159,9 @@ def vision_args(ns: argparse.Namespace, is_vlm_checkpoint: bool) -> tuple[str | 
 async def serve(ns: argparse.Namespace) -> int:
     import uvicorn
 
-    from epdserve.cluster.local import LocalWorker, assign_cores, spawn_worker, stop_workers
+    from epdserve.cluster.local import (
+        LocalWorker, RestartPolicy, WorkerSupervisor, assign_cores, spawn_worker, stop_workers,
+    )
     from epdserve.config import resolve_device_name
     from epdserve.gc_heap import freeze_startup_heap
     from epdserve.models.loader import load_model_info
@@ -142,6 +171,7 @@ async def serve(ns: argparse.Namespace) -> int:
     from epdserve.router.images import ImageLimits
 
     roles = plan_workers(ns)
+    restart_policy = RestartPolicy(max_restarts=ns.max_worker_restarts)
     resolve_device_name(ns.device)  # a bad --device fails here, before any worker starts
     if ns.worker_log_dir:
         os.makedirs(ns.worker_log_dir, exist_ok=True)
@@ -155,11 +185,14 @@ async def serve(ns: argparse.Namespace) -> int:
     max_model_len = ns.max_model_len or min(info.spec.max_position_embeddings, 4096)
     names = tuple(ns.served_model_name or [info.spec.name])
     limits = ImageLimits(max_images_per_request=ns.max_images_per_request,
-                         allowed_media_domains=tuple(ns.allowed_media_domains))
-    served = ServedModel(names, info.tokenizer, max_model_len, info.spec.vocab_size, mm_spec, limits)
+                         allowed_media_domains=tuple(ns.allowed_media_domains),
+                         follow_redirects=ns.media_follow_redirects,
+                         allow_private_addresses=ns.allow_private_media_addresses)
+    served = ServedModel(names, info.tokenizer, max_model_len, info.spec.vocab_size, mm_spec, limits, ns.max_n)
     config = RouterConfig(transfer_timeout_s=ns.transfer_timeout, transfer_policy=ns.transfer_policy,
                           max_pending=ns.max_pending, encode_pipelined=not ns.no_encode_pipeline,
-                          routing=ns.routing)
+                          routing=ns.routing, heartbeat_timeout_s=ns.worker_lease,
+                          step_timeout_s=ns.step_timeout, first_token_timeout_s=ns.first_token_timeout)
     router = Router(config, port=ns.router_port)
     await router.start()
     started = time.monotonic()
@@ -167,16 +200,20 @@ async def serve(ns: argparse.Namespace) -> int:
     extra += ["--no-layerwise"] if ns.no_layerwise else []
     extra += ["--debug-stall-kv-transfers"] if ns.debug_stall_kv_transfers else []
     workers: list[LocalWorker] = []
+    supervisor = WorkerSupervisor(restart_policy, lambda w: router.watch_process(w.worker_id, w.pid))
     counters: dict[str, int] = {}
     for role, cores in zip(roles, assign_cores(len(roles), ns.cores_per_worker)):
         counters[role] = counters.get(role, 0) + 1
         worker_id = f"{role}-{counters[role] - 1}"
         log_path = f"{ns.worker_log_dir}/{worker_id}.log" if ns.worker_log_dir else None
         role_extra = encode_extra if role == "encode" else consumer_extra if role in ("prefill", "colocated") else []
+        if role == "decode":
+            role_extra = [*role_extra, "--reservation-lease", str(ns.reservation_lease)]
         if ns.step_trace_dir and role != "encode":
             role_extra = [*role_extra, "--step-trace-dir", ns.step_trace_dir]
         worker = spawn_worker(worker_id, role, router.address, cores, extra + role_extra, log_path)
         workers.append(worker)
+        supervisor.add(worker)
         router.watch_process(worker_id, worker.pid)
     try:
         need = {role: roles.count(role) for role in set(roles)}
@@ -189,7 +226,10 @@ async def serve(ns: argparse.Namespace) -> int:
             else:
                 print(f"epdserve: error: workers did not register within {ns.startup_timeout:g} s", file=sys.stderr)
             return 2
-        app = create_app(router, served, ns.api_key)
+        supervisor.start()
+        api_key = ns.api_key or get_api_key()
+        app = create_app(router, served, api_key, max_request_bytes=ns.max_request_bytes,
+                         public_metrics=ns.public_metrics)
         # Start-up is done: what is alive now (framework, tokenizer, libraries) stays alive.
         router.metrics.gc_frozen.set(freeze_startup_heap())
         # The listening socket exists before uvicorn runs: its port is known, and connections
@@ -206,12 +246,14 @@ async def serve(ns: argparse.Namespace) -> int:
         url = f"http://{ns.host}:{port}"
         print(f"epdserve ready in {time.monotonic() - started:.1f} s: {url} ({layout}; model {names[0]}; "
               f"workers connect to {router.address})", flush=True)
-        auth = f" -H 'Authorization: Bearer {ns.api_key}'" if ns.api_key else ""
+        # The key itself is never printed: the line reads it from the environment.
+        auth = f' -H "Authorization: Bearer ${EPDSERVE_API_KEY}"' if api_key else ""
         print(f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} "
               f"-d '{{\"model\": \"{names[0]}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}], "
               f"\"max_tokens\": 32}}'", flush=True)
         await serving
         return 0
     finally:
+        supervisor.close()  # before the router tells the workers to shut down: no restarts
         await router.close()
-        stop_workers(workers)
+        stop_workers(supervisor.workers)

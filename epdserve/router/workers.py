@@ -4,9 +4,25 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from enum import Enum
 
 from epdserve.cluster import messages as m
 from epdserve.errors import ConfigError
+
+
+class WorkerState(str, Enum):
+    """A worker's standing with the router::
+
+        READY ──lease missed / step hung──▶ SUSPECT ──heartbeats back, reconciled, registers──▶ READY
+          │                                    │
+          └──────────── process exited ────────┴──▶ DEAD (a restarted process registers anew)
+
+    Only READY workers get requests; entering SUSPECT or DEAD fails the requests in hand.
+    """
+
+    READY = "ready"
+    SUSPECT = "suspect"
+    DEAD = "dead"
 
 
 @dataclass
@@ -21,7 +37,7 @@ class WorkerInfo:
     block_size: int
     endpoint: m.KVEndpoint | None
     can_encode: bool = False  # consumer with an in-process vision encoder
-    state: str = "ready"  # "ready" | "dead"
+    state: WorkerState = WorkerState.READY
     load: m.Load = field(default_factory=lambda: m.Load(0, 0, 0, 0))
     last_seen: float = field(default_factory=time.monotonic)  # seconds, monotonic
     request_ids: set[str] = field(default_factory=set)  # router requests touching this worker
@@ -29,6 +45,7 @@ class WorkerInfo:
     # Requests in hand whose prompt this worker has not finished prefilling: prompt tokens.
     prefill_tokens: dict[str, int] = field(default_factory=dict)
     num_prefill_tokens: int = 0  # their sum
+    last_reconcile: float = 0.0  # monotonic seconds: when a Reconcile was last sent (SUSPECT)
 
     def take(self, request_id: str, num_prompt_tokens: int = 0) -> None:
         """A request sent to this worker; ``num_prompt_tokens`` > 0 when it prefills here."""
@@ -48,7 +65,7 @@ class WorkerInfo:
 
     @property
     def is_ready(self) -> bool:
-        return self.state == "ready"
+        return self.state is WorkerState.READY
 
     def as_json(self) -> dict:
         load = self.load
@@ -57,7 +74,7 @@ class WorkerInfo:
             "role": self.role,
             "pid": self.pid,
             "host": self.host,
-            "state": self.state,
+            "state": self.state.value,
             "load": {
                 "num_requests": len(self.request_ids),
                 "num_running": load.num_running,
@@ -66,6 +83,7 @@ class WorkerInfo:
                 "num_used_blocks": load.num_used_blocks,
                 "num_reserved": load.num_reserved,
                 "num_transferring": load.num_transferring,
+                "num_kv_writes_refused": load.num_kv_writes_refused,
                 "num_encoder_cache_hits": load.num_encoder_cache_hits,
                 "num_encoder_cache_bytes": load.num_encoder_cache_bytes,
             },

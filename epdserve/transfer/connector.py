@@ -19,9 +19,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from epdserve.cluster.messages import KVEndpoint
+from epdserve.transfer.fence import FenceView
 from epdserve.transfer.shm_pool import SharedKVPool
 from epdserve.transfer.tcp import TcpKVSender
 
@@ -29,30 +31,47 @@ from epdserve.transfer.tcp import TcpKVSender
 class PeerLink(Protocol):
     num_bytes_sent: int
     seconds_sending: float
+    broken: bool
 
-    def write(self, request_id: str, layer: int, kv: torch.Tensor, dst_slots: torch.Tensor) -> None: ...
-    def finish(self, request_id: str) -> None: ...
+    def write(self, request_id: str, generation: int, layer: int, group: int, kv: torch.Tensor,
+              dst_slots: torch.Tensor, dst_block_ids: np.ndarray) -> bool:
+        """Queue or write one layer's KV; False when the receiver's fence refused it (the
+        reservation ``generation`` is no longer open: nothing was written)."""
+        ...
+    def finish(self, request_id: str, generation: int) -> None: ...
     def poll_done(self) -> tuple[list[str], list[str]]: ...
     def close(self) -> None: ...
 
 
 class ShmLink:
-    """Writes straight into the decode worker's pool, mapped once: done when written."""
+    """Writes straight into the decode worker's pool, mapped once: done when written. Each
+    layer's copy goes ahead only while the decode worker's fence still gives the blocks to
+    the reservation (``fence.py``)."""
+
+    broken = False
 
     def __init__(self, endpoint: KVEndpoint) -> None:
         self.pool = SharedKVPool.attach(endpoint)
+        self.fence = (FenceView(endpoint.fence_shm_name, endpoint.num_groups, endpoint.num_blocks)
+                      if endpoint.fence_shm_name else None)
         self._flat = [layer.view(2, -1, *layer.shape[3:]) for layer in self.pool.layers]
         self._done: list[str] = []
         self.num_bytes_sent = 0
         self.seconds_sending = 0.0
+        self.num_refused_writes = 0  # layers the fence refused (their reservation had ended)
 
-    def write(self, request_id: str, layer: int, kv: torch.Tensor, dst_slots: torch.Tensor) -> None:
+    def write(self, request_id: str, generation: int, layer: int, group: int, kv: torch.Tensor,
+              dst_slots: torch.Tensor, dst_block_ids: np.ndarray) -> bool:
+        if self.fence is not None and not self.fence.admits(generation, group, dst_block_ids):
+            self.num_refused_writes += 1
+            return False
         start = time.perf_counter()
         self._flat[layer].index_copy_(1, dst_slots, kv.to(self.pool.dtype))
         self.num_bytes_sent += kv.numel() * kv.element_size()
         self.seconds_sending += time.perf_counter() - start
+        return True
 
-    def finish(self, request_id: str) -> None:
+    def finish(self, request_id: str, generation: int) -> None:
         self._done.append(request_id)
 
     def poll_done(self) -> tuple[list[str], list[str]]:
@@ -62,6 +81,8 @@ class ShmLink:
     def close(self) -> None:
         self._flat = []
         self.pool.close()
+        if self.fence is not None:
+            self.fence.close()
 
 
 def open_link(endpoint: KVEndpoint) -> PeerLink:
@@ -83,8 +104,10 @@ class PushItem:
     src_tables: list[list[int]]
     dst_tables: list[list[int]]
     is_last: bool  # the prompt's last chunk: the request's transfer ends with this step
+    generation: int = 0  # the decode worker's reservation (its write fence admits only this)
     src_slots: list[torch.Tensor] = field(default_factory=list)  # per group, filled by begin_step
     dst_slots: list[torch.Tensor] = field(default_factory=list)
+    dst_block_ids: list[np.ndarray] = field(default_factory=list)  # per group: blocks written this step
 
 
 @dataclass
@@ -121,6 +144,7 @@ class KVPusher:
         # Fault injection for tests of the router's transfer timeout: transfers never end.
         self.stall = False
         self.links: dict[str, PeerLink] = {}
+        self._endpoints: dict[str, KVEndpoint] = {}  # to reopen a link that broke
         self._items: list[PushItem] = []
         self._targets: dict[str, str] = {}  # request id -> decode worker id, while in flight
         self._started: dict[str, float] = {}
@@ -134,11 +158,25 @@ class KVPusher:
         old = self.links.pop(worker_id, None)
         if old is not None:
             old.close()
+        self._endpoints[worker_id] = endpoint
         self.links[worker_id] = open_link(endpoint)
+
+    def _reopen_broken(self, worker_id: str) -> None:
+        """A link that broke (a send timed out, the peer reset it) fails the transfers it
+        carried; the next request to that peer gets a fresh connection."""
+        link = self.links.get(worker_id)
+        if link is None or not link.broken:
+            return
+        link.close()
+        try:
+            self.links[worker_id] = open_link(self._endpoints[worker_id])
+        except (OSError, ValueError):
+            self.links.pop(worker_id, None)
 
     def remove_peer(self, worker_id: str) -> list[str]:
         """Drop a dead decode worker; returns the requests whose transfer to it failed."""
         link = self.links.pop(worker_id, None)
+        self._endpoints.pop(worker_id, None)
         if link is not None:
             link.close()
         failed = [rid for rid, target in self._targets.items() if target == worker_id]
@@ -166,11 +204,18 @@ class KVPusher:
     def seconds_sending(self) -> float:
         return sum(link.seconds_sending for link in self.links.values())
 
+    @property
+    def num_refused_writes(self) -> int:
+        """Layer writes a decode worker's fence refused (shared memory; over TCP the receiver
+        counts them)."""
+        return sum(getattr(link, "num_refused_writes", 0) for link in self.links.values())
+
     # -- one step ------------------------------------------------------------------------
     def begin_step(self, items: list[PushItem]) -> None:
         bs = self.block_size
         self._items = []
         for item in items:
+            self._reopen_broken(item.target)
             if item.target not in self.links:
                 self._targets[item.request_id] = item.target
                 self._finish(item.request_id, ok=False)
@@ -189,6 +234,8 @@ class KVPusher:
                 torch.tensor([t[p // bs] * bs + p % bs for p in positions], dtype=torch.long)
                 for t in item.dst_tables
             ]
+            first, last = item.start // bs, (item.end - 1) // bs
+            item.dst_block_ids = [np.asarray(t[first : last + 1], dtype=np.int64) for t in item.dst_tables]
             self._items.append(item)
 
     def save_layer(self, layer: int) -> None:
@@ -205,7 +252,7 @@ class KVPusher:
         for item in self._items:
             if item.is_last and item.request_id in self._targets and not self.stall:
                 self._compute_end[item.request_id] = compute_end
-                self.links[item.target].finish(item.request_id)
+                self.links[item.target].finish(item.request_id, item.generation)
         self._items = []
 
     def _push_layer(self, layer: int) -> None:
@@ -221,7 +268,10 @@ class KVPusher:
             # Links write host memory (a shared pool, a socket): pages on an accelerator are
             # copied out here.
             kv = flat.index_select(1, item.src_slots[group]).cpu()
-            link.write(rid, layer, kv, item.dst_slots[group])
+            if not link.write(rid, item.generation, layer, group, kv, item.dst_slots[group],
+                              item.dst_block_ids[group]):
+                self._finish(rid, ok=False)  # the reservation ended: nothing more is written
+                continue
             self._blocking[rid] = self._blocking.get(rid, 0.0) + time.time() - start
             self._bytes[rid] = self._bytes.get(rid, 0) + kv.numel() * kv.element_size()
 

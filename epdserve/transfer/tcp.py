@@ -6,8 +6,14 @@ Frame on the wire::
 
 The payload is ``[2, num_tokens, num_kv_heads, head_dim]`` in the pool's dtype. The receiver
 reads it into a buffer and scatters it into the decode worker's pages at ``dst slots``
-(slot = block_id * block_size + offset). A frame with ``layer == -1`` ends a request: every
-earlier frame of it has landed when the receiver sees it.
+(slot = block_id * block_size + offset), if the decode worker's write fence still gives those
+blocks to the frame's reservation generation (``fence.py``); otherwise the frame is read and
+dropped. A frame with ``layer == -1`` ends a request: every earlier frame of it has landed when
+the receiver sees it.
+
+Sends have a deadline (``send_timeout_s``) and the queue of layers waiting to be sent is
+bounded: a peer that stops reading breaks the link (its transfers fail) instead of growing
+this process's memory or blocking it for good.
 """
 
 from __future__ import annotations
@@ -23,15 +29,23 @@ import msgspec
 import numpy as np
 import torch
 
+from epdserve.transfer.fence import ReservationFence
+
 _HEADER = struct.Struct("!I")
 END_OF_REQUEST = -1
 
 
 class LayerFrame(msgspec.Struct, array_like=True):
     request_id: str
+    generation: int  # the decode worker's reservation this KV is for
     layer: int
     num_tokens: int
     num_payload_bytes: int
+
+# A layer frame's payload at most (a header naming more is a broken peer: the link closes).
+MAX_FRAME_BYTES = 1 << 31
+SEND_TIMEOUT_S = 10.0
+MAX_QUEUED_LAYERS = 1024
 
 
 def _recv_exact(sock: socket.socket, view: memoryview) -> bool:
@@ -93,39 +107,60 @@ class TcpKVReceiver(FrameListener):
         self,
         kv_caches: list[torch.Tensor],
         on_landed: Callable[[str], None],
-        accepts: Callable[[str], bool],
+        fence: ReservationFence,
+        layer_to_group: list[int],
         host: str = "127.0.0.1",
     ) -> None:
-        """``accepts(request_id)``: whether frames of that request may land (its blocks are
-        still reserved); frames of an aborted request are read and dropped."""
+        """Frames land only where ``fence`` admits their generation; the end marker of an
+        open reservation calls ``on_landed(request_id)``."""
         self.kv_caches = kv_caches
         self.on_landed = on_landed
-        self.accepts = accepts
+        self.fence = fence
+        self.layer_to_group = layer_to_group
+        self.block_size = kv_caches[0].shape[2]
+        self._row_bytes = [2 * c.shape[3] * c.shape[4] * c.element_size() for c in kv_caches]
         self._decoder = msgspec.msgpack.Decoder(LayerFrame)
+        self.num_refused_frames = 0  # frames read and dropped: reservation closed, or malformed
         super().__init__(host, "kv")
 
     def _serve(self, conn: socket.socket) -> None:
         with conn:
             while True:
-                frame = recv_header(conn, self._decoder)
+                try:
+                    frame = recv_header(conn, self._decoder)
+                except (msgspec.DecodeError, ValueError):
+                    return  # not our framing: drop the connection
                 if frame is None:
                     return
                 if frame.layer == END_OF_REQUEST:
-                    if self.accepts(frame.request_id):
+                    with self.fence.lock:
+                        landed = self.fence.is_open(frame.generation)
+                    if landed:
                         self.on_landed(frame.request_id)
                     continue
+                if not (0 <= frame.layer < len(self.kv_caches) and 0 <= frame.num_tokens
+                        and frame.num_payload_bytes == frame.num_tokens * self._row_bytes[frame.layer]
+                        and frame.num_payload_bytes <= MAX_FRAME_BYTES):
+                    return  # sizes that do not match the pool: a broken peer
                 slots = np.empty(frame.num_tokens, dtype=np.int64)
                 payload = bytearray(frame.num_payload_bytes)
                 if not _recv_exact(conn, memoryview(slots).cast("B")):
                     return
                 if not _recv_exact(conn, memoryview(payload)):
                     return
-                if not self.accepts(frame.request_id):
-                    continue
-                cache = self.kv_caches[frame.layer]
-                kv = torch.frombuffer(payload, dtype=cache.dtype).view(2, frame.num_tokens, *cache.shape[3:])
-                flat = cache.view(2, -1, *cache.shape[3:])
-                flat.index_copy_(1, torch.from_numpy(slots).to(flat.device), kv.to(flat.device))
+                self._land(frame, slots, payload)
+
+    def _land(self, frame: LayerFrame, slots: np.ndarray, payload: bytearray) -> None:
+        cache = self.kv_caches[frame.layer]
+        group = self.layer_to_group[frame.layer]
+        block_ids = np.unique(slots // self.block_size) if slots.size else slots
+        with self.fence.lock:  # check and write as one step against the engine's close
+            if slots.size == 0 or int(slots.min()) < 0 or not self.fence.admits(frame.generation, group, block_ids):
+                self.num_refused_frames += 1
+                return
+            kv = torch.frombuffer(payload, dtype=cache.dtype).view(2, frame.num_tokens, *cache.shape[3:])
+            flat = cache.view(2, -1, *cache.shape[3:])
+            flat.index_copy_(1, torch.from_numpy(slots).to(flat.device), kv.to(flat.device))
 
 
 class TcpKVSender:
@@ -136,11 +171,13 @@ class TcpKVSender:
     is reported by ``poll_done``.
     """
 
-    def __init__(self, host: str, port: int, connect_timeout: float = 5.0) -> None:
+    def __init__(self, host: str, port: int, connect_timeout: float = 5.0,
+                 send_timeout_s: float = SEND_TIMEOUT_S) -> None:
         self._sock = socket.create_connection((host, port), timeout=connect_timeout)
-        self._sock.settimeout(None)
+        self._sock.settimeout(send_timeout_s)
         self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self._queue: queue.Queue = queue.Queue()
+        self._send_timeout_s = send_timeout_s
+        self._queue: queue.Queue = queue.Queue(MAX_QUEUED_LAYERS)
         self._done: list[str] = []
         self._failed: list[str] = []
         self._lock = threading.Lock()
@@ -151,13 +188,26 @@ class TcpKVSender:
         self._thread = threading.Thread(target=self._send_loop, name="kv-send", daemon=True)
         self._thread.start()
 
-    def write(self, request_id: str, layer: int, kv: torch.Tensor, dst_slots: torch.Tensor) -> None:
+    def write(self, request_id: str, generation: int, layer: int, group: int, kv: torch.Tensor,
+              dst_slots: torch.Tensor, dst_block_ids: np.ndarray) -> bool:
         """kv [2, n, kv_heads, head_dim], a fresh tensor (not a view of the pages) that the
-        sender now owns; dst_slots [n] int64."""
-        self._queue.put((request_id, layer, kv.contiguous(), dst_slots.to(torch.int64).contiguous()))
+        sender now owns; dst_slots [n] int64. The receiver checks the fence; True here means
+        queued."""
+        self._put((request_id, generation, layer, kv.contiguous(), dst_slots.to(torch.int64).contiguous()))
+        return True
 
-    def finish(self, request_id: str) -> None:
-        self._queue.put((request_id, END_OF_REQUEST, None, None))
+    def finish(self, request_id: str, generation: int) -> None:
+        self._put((request_id, generation, END_OF_REQUEST, None, None))
+
+    def _put(self, item: tuple) -> None:
+        """Bounded: waits for room at most the send deadline, then the link is broken (its
+        transfers fail; the caller's next request opens a new link)."""
+        try:
+            self._queue.put(item, timeout=self._send_timeout_s)
+        except queue.Full:
+            self.broken = True
+            with self._lock:
+                self._failed.append(item[0])
 
     def poll_done(self) -> tuple[list[str], list[str]]:
         """(request ids whose KV was all sent, request ids whose sending failed)."""
@@ -171,7 +221,7 @@ class TcpKVSender:
             item = self._queue.get()
             if item is None:
                 return
-            request_id, layer, kv, slots = item
+            request_id, generation, layer, kv, slots = item
             if self.broken:
                 if layer == END_OF_REQUEST:
                     with self._lock:
@@ -180,13 +230,13 @@ class TcpKVSender:
             start = time.perf_counter()
             try:
                 if layer == END_OF_REQUEST:
-                    header = self._encoder.encode(LayerFrame(request_id, layer, 0, 0))
+                    header = self._encoder.encode(LayerFrame(request_id, generation, layer, 0, 0))
                     self._sock.sendall(_HEADER.pack(len(header)) + header)
                     with self._lock:
                         self._done.append(request_id)
                     continue
                 data = kv.reshape(-1).view(torch.uint8).numpy()
-                header = self._encoder.encode(LayerFrame(request_id, layer, slots.numel(), data.nbytes))
+                header = self._encoder.encode(LayerFrame(request_id, generation, layer, slots.numel(), data.nbytes))
                 self._sock.sendall(_HEADER.pack(len(header)) + header)
                 self._sock.sendall(slots.numpy().tobytes())
                 self._sock.sendall(memoryview(data))
@@ -200,7 +250,11 @@ class TcpKVSender:
                 self.seconds_sending += time.perf_counter() - start
 
     def close(self) -> None:
-        self._queue.put(None)
+        self.broken = True
+        try:
+            self._queue.put_nowait(None)
+        except queue.Full:
+            pass  # the send loop ends on the closed socket
         try:
             self._sock.close()
         except OSError:

@@ -22,6 +22,7 @@ from pathlib import Path
 import httpx
 
 from epdserve.bench import BenchError
+from epdserve.envs import get_api_key
 
 READY = re.compile(r"epdserve ready in [\d.]+ s: (http://[\d.:]+) .*workers connect to (tcp://[\d.:]+)")
 STARTUP_TIMEOUT_S = 300.0
@@ -84,7 +85,7 @@ def _drain_output(process: subprocess.Popen, path: Path) -> None:
 
     def copy() -> None:
         assert process.stdout is not None
-        with open(path, "a", encoding="utf-8") as out:
+        with open(path, "a", encoding="utf-8", buffering=1) as out:  # line-buffered: readable while serving
             out.writelines(process.stdout)
 
     threading.Thread(target=copy, name="server-log", daemon=True).start()
@@ -101,9 +102,16 @@ def stop_process(process: subprocess.Popen, sig: int = signal.SIGINT) -> None:
             process.wait()
 
 
+def auth_headers(server: RunningServer) -> dict[str, str]:
+    """The API key the server was started with (``--api-key``, else ``$EPDSERVE_API_KEY``), as a header."""
+    args = list(server.args)
+    key = args[args.index("--api-key") + 1] if "--api-key" in args[:-1] else get_api_key()
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
 def list_workers(server: RunningServer) -> list[dict]:
     """``/v1/workers``: id, role, pid, state and load of each worker the router knows."""
-    return httpx.get(f"{server.url}/v1/workers", timeout=HTTP_TIMEOUT_S).json()["data"]
+    return httpx.get(f"{server.url}/v1/workers", headers=auth_headers(server), timeout=HTTP_TIMEOUT_S).json()["data"]
 
 
 def stop_server(server: RunningServer) -> None:
@@ -150,7 +158,7 @@ def wait_for_workers(
 
 def metric_value(server: RunningServer, name: str) -> float:
     """The value of one unlabelled counter or gauge from ``/metrics`` (0.0 when absent)."""
-    text = httpx.get(f"{server.url}/metrics", timeout=HTTP_TIMEOUT_S).text
+    text = httpx.get(f"{server.url}/metrics", headers=auth_headers(server), timeout=HTTP_TIMEOUT_S).text
     for line in text.splitlines():
         if line.startswith(name + " "):
             return float(line.split()[1])
