@@ -67,6 +67,7 @@ def _generate(ns: argparse.Namespace) -> int:
         check_prompt_ids,
         check_prompt_text,
         check_sampling,
+        longest_token_chars,
         sampling_params,
     )
 
@@ -88,7 +89,8 @@ def _generate(ns: argparse.Namespace) -> int:
                             stop=ns.stop, ignore_eos=ns.ignore_eos)
     engine = LLMEngine(engine_args_from(ns))
     # The same bounds as a request to the server.
-    limits = RequestLimits(vocab_size=engine.loaded.spec.vocab_size, max_model_len=engine.max_model_len, max_n=1)
+    limits = RequestLimits(vocab_size=engine.loaded.spec.vocab_size, max_model_len=engine.max_model_len, max_n=1,
+                           max_chars_per_token=longest_token_chars(engine.tokenizer.backend.get_vocab()))
     check_sampling(fields, limits)
     prompt_ids, params = [], []
     for prompt in prompts:

@@ -36,7 +36,7 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 TINY = ["--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory", "0.05", "--max-n", str(MAX_N),
         "--max-request-bytes", str(MAX_REQUEST_BYTES)]
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
-NUM_SCHEMA_CASES = 200  # per mode, per server
+NUM_SCHEMA_CASES = {"positive": 150, "negative": 200}  # per server
 NUM_EDGE_CASES = 150  # per server
 MAX_FUZZ_TOKENS = 4  # positive cases generate at most this many tokens per sequence
 
@@ -165,7 +165,7 @@ def _schema_with_limits(raw: dict) -> dict:
         props = models[name]["properties"]
         props["model"]["enum"] = [MODEL]
         _bound(props["n"], minimum=1, maximum=MAX_N)
-        _bound(props["max_tokens"], minimum=1, maximum=MAX_FUZZ_TOKENS)
+        props["max_tokens"] = {"type": "integer", "minimum": 1, "maximum": MAX_FUZZ_TOKENS}  # not null either
         _bound(props["min_tokens"], minimum=0, maximum=1)
         _bound(props["seed"], minimum=-(1 << 63), maximum=(1 << 63) - MAX_N)
         _bound(props["top_k"], minimum=-1, maximum=VOCAB_SIZE)
@@ -200,10 +200,12 @@ def _schema_with_limits(raw: dict) -> dict:
 def _run_schema_cases(server: Server, schema: dict, mode, statuses: list[int]) -> None:
     strategy = schemathesis.openapi.from_dict(schema).as_strategy(generation_mode=mode)
 
-    @settings(max_examples=NUM_SCHEMA_CASES, derandomize=True, database=None, deadline=None,
+    @settings(max_examples=NUM_SCHEMA_CASES[mode.value], derandomize=True, database=None, deadline=None,
               phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
     @given(case=strategy)
     def send(case) -> None:
+        if isinstance(case.body, dict) and case.body.get("max_tokens") is None:
+            case.body["max_tokens"] = MAX_FUZZ_TOKENS  # valid either way; keeps the generation short
         response = case.call(base_url=server.url, headers=AUTH, timeout=60)
         statuses.append(response.status_code)
         assert response.status_code < 500, f"{response.status_code} {response.text[:500]}\n{case.as_curl_command()}"
@@ -216,10 +218,12 @@ EDGE_VALUES = [
     "\ud800", "", "x" * 5000, [], {}, [[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]], None, True,
     [1 << 64], [float("nan")], ["\udfff"], {"type": "text", "text": {"x": [1]}},
 ]
-FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "n", "stop", "temperature", "top_p",
-          "top_k", "seed", "presence_penalty", "frequency_penalty", "stream", "stream_options", "ignore_eos",
-          "min_tokens", "repetition_penalty", "stop_token_ids", "skip_special_tokens", "include_stop_str_in_output",
-          "return_timing", "logprobs", "top_logprobs", "echo"]
+COMMON_FIELDS = ["model", "max_tokens", "n", "stop", "temperature", "top_p", "top_k", "seed", "presence_penalty",
+                 "frequency_penalty", "stream", "stream_options", "ignore_eos", "min_tokens", "repetition_penalty",
+                 "stop_token_ids", "skip_special_tokens", "include_stop_str_in_output", "return_timing", "logprobs"]
+COMPLETION_FIELDS = [*COMMON_FIELDS, "prompt", "echo"]
+CHAT_FIELDS = [*COMMON_FIELDS, "messages", "max_completion_tokens", "top_logprobs",
+               "message.role", "message.content", "part.type", "part.text"]
 RAW_BODIES = [b"", b"{", b"null", b"[]", b'"x"', b"\xff\xfe\xfd", b"{" * 50_000, b'{"model": NaN}',
               b'{"model": "%s", "prompt": "hi", "n": Infinity}' % MODEL.encode()]
 
@@ -232,10 +236,10 @@ def edge_requests(draw) -> tuple[str, bytes]:
             if chat else {"model": MODEL, "prompt": "Hello"})
     body["max_tokens"] = 2
     value = draw(st.sampled_from(EDGE_VALUES))
-    where = draw(st.sampled_from(FIELDS + ["message.role", "message.content", "part.text", "part.type"]))
-    if where.startswith("message.") and chat:
+    where = draw(st.sampled_from(CHAT_FIELDS if chat else COMPLETION_FIELDS))
+    if where.startswith("message."):
         body["messages"][0][where.split(".")[1]] = value
-    elif where.startswith("part.") and chat:
+    elif where.startswith("part."):
         body["messages"][0]["content"][0][where.split(".")[1]] = value
     else:
         body[where] = value

@@ -23,6 +23,7 @@ from epdserve.router.protocol import ChatCompletionRequest, CompletionRequest, e
 from epdserve.router.validate import (
     INT64_MAX,
     INT64_MIN,
+    MIN_TOP_P,
     InvalidFieldError,
     RequestLimits,
     SamplingFields,
@@ -31,6 +32,7 @@ from epdserve.router.validate import (
     check_prompt_ids,
     check_prompt_text,
     check_sampling,
+    longest_token_chars,
     sampling_params,
 )
 
@@ -59,6 +61,7 @@ LIMITS = RequestLimits(vocab_size=1000, max_model_len=64, max_n=4)
         (SamplingFields(stop="\ud800"), "stop"),
         (SamplingFields(temperature=math.nan), "temperature"),
         (SamplingFields(temperature=math.inf), "temperature"),
+        (SamplingFields(temperature=10**400), "temperature"),
         (SamplingFields(temperature=-0.1), "temperature"),
         (SamplingFields(temperature=2.5), "temperature"),
         (SamplingFields(top_p=0.0), "top_p"),
@@ -97,6 +100,8 @@ def test_bounds_are_inclusive_and_seeds_stay_valid_for_torch():
     params = sampling_params(edge, 10, LIMITS)
     assert params.max_tokens == 54 and params.top_k == 1000 and len(params.stop) == 16
     assert sampling_params(SamplingFields(top_k=-1), 10, LIMITS).top_k == 0
+    # A top_p that rounds to 0 in float32 keeps the most likely token, as any top_p below 1 / vocab does.
+    assert sampling_params(SamplingFields(top_p=5e-324), 10, LIMITS).top_p == MIN_TOP_P
     assert sampling_params(SamplingFields(), 10, LIMITS).max_tokens == 54  # all the room left
 
 
@@ -117,6 +122,7 @@ def test_prompts():
     with pytest.raises(InvalidFieldError, match="characters"):
         check_prompt_text("x" * (LIMITS.max_prompt_chars + 1), LIMITS)
     check_prompt_text("x" * LIMITS.max_prompt_chars, LIMITS)
+    assert longest_token_chars(["a", "\u0120hello", "<|im_start|>"]) == 12
     check_prompt_ids([0, 999] + [5] * 61, LIMITS)
     for ids, fragment in (([], "empty"), ([1] * 64, "max_model_len"), ([1000], "vocabulary"),
                           ([-1], "vocabulary"), ([1 << 80], "vocabulary"), ([True], "vocabulary")):

@@ -46,6 +46,7 @@ from epdserve.router.validate import (
     check_prompt_ids,
     check_prompt_text,
     check_sampling,
+    longest_token_chars,
     sampling_params,
 )
 from epdserve.sampling import SamplingParams
@@ -63,7 +64,8 @@ class ServedModel:
 
     @property
     def limits(self) -> RequestLimits:
-        return RequestLimits(vocab_size=self.vocab_size, max_model_len=self.max_model_len, max_n=self.max_n)
+        return RequestLimits(vocab_size=self.vocab_size, max_model_len=self.max_model_len, max_n=self.max_n,
+                             max_chars_per_token=longest_token_chars(self.tokenizer.backend.get_vocab()))
 
 
 def create_app(router: Router, served: ServedModel, api_key: str | None = None, *,

@@ -11,7 +11,7 @@ Imports neither torch nor the engine: the router process stays torch-free.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from epdserve.errors import InvalidRequestError
@@ -19,9 +19,9 @@ from epdserve.sampling import SamplingParams
 
 INT64_MIN = -(1 << 63)
 INT64_MAX = (1 << 63) - 1
-# Characters of prompt text allowed per token of context, checked before tokenizing: no
-# tokenizer of a supported model has a token longer than this, so a longer text cannot fit.
-MAX_CHARS_PER_TOKEN = 64
+# Characters of prompt text per token of context when the tokenizer's longest token is not
+# known (SmolLM2's longest, a run of spaces, has 81).
+DEFAULT_MAX_CHARS_PER_TOKEN = 128
 # top_p below this keeps the same tokens (only the most likely: its probability is at least
 # 1 / vocab_size > MIN_TOP_P), and is raised to it: smaller values round to 0 in float32.
 MIN_TOP_P = 1e-6
@@ -50,15 +50,18 @@ class RequestLimits:
     min_repetition_penalty: float = 0.01
     max_repetition_penalty: float = 100.0
     max_abs_presence_penalty: float = 2.0  # presence_penalty and frequency_penalty
+    # The longest token's text: a prompt text longer than this x max_model_len cannot fit,
+    # and is refused before it is tokenized.
+    max_chars_per_token: int = DEFAULT_MAX_CHARS_PER_TOKEN
 
     def __post_init__(self) -> None:
-        if self.vocab_size < 1 or self.max_model_len < 2 or self.max_n < 1:
+        if self.vocab_size < 1 or self.max_model_len < 2 or self.max_n < 1 or self.max_chars_per_token < 1:
             raise ValueError(f"invalid request limits: {self}")
 
     @property
     def max_prompt_chars(self) -> int:
         """Characters of prompt text (all chat messages together)."""
-        return self.max_model_len * MAX_CHARS_PER_TOKEN
+        return self.max_model_len * self.max_chars_per_token
 
     @property
     def max_messages(self) -> int:
@@ -89,6 +92,12 @@ class SamplingFields:
     max_tokens_name: str = "max_tokens"  # the field max_tokens came from, for error messages
 
 
+def longest_token_chars(vocab: Iterable[str]) -> int:
+    """An upper bound on the characters one token's text has: its longest vocabulary entry
+    (a byte-level entry has a character per byte, and a byte is at most one character)."""
+    return max((len(token) for token in vocab), default=1)
+
+
 def _show(value: int) -> str:
     """An integer for an error message: its first digits when it is long."""
     digits = str(value)
@@ -108,7 +117,10 @@ def _int(value: object, param: str, low: int, high: int) -> int:
 def _float(value: object, param: str, low: float, high: float, low_open: bool = False) -> float:
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         raise InvalidFieldError(f"{param} must be a number", param)
-    number = float(value)
+    try:
+        number = float(value)
+    except OverflowError:  # an int past the float range
+        number = math.inf if value > 0 else -math.inf
     if not math.isfinite(number):
         raise InvalidFieldError(f"{param} must be a finite number, got {number}", param)
     if number < low or number > high or (low_open and number == low):
@@ -152,7 +164,7 @@ def check_prompt_text(prompt: object, limits: RequestLimits, param: str = "promp
     if len(prompt) > limits.max_prompt_chars:
         raise InvalidFieldError(
             f"the prompt has {len(prompt)} characters; at most {limits.max_prompt_chars} are allowed "
-            f"({MAX_CHARS_PER_TOKEN} per token of the {limits.max_model_len}-token context)", param)
+            f"({limits.max_chars_per_token} per token of the {limits.max_model_len}-token context)", param)
     return prompt
 
 
