@@ -32,9 +32,10 @@ import platform
 import random
 import re
 import sys
+import threading
 import time
 from collections import Counter, defaultdict
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -50,14 +51,15 @@ SERVE_ARGS = [
     "--prefill-workers", "1", "--decode-workers", "2",
     "--max-model-len", str(MAX_MODEL_LEN),
     "--num-kv-blocks", "48",  # per worker, 16 tokens each: a few long prompts fill a decode pool
-    "--max-pending", "12",
+    "--max-pending", "14",
     "--max-request-bytes", str(MAX_REQUEST_BYTES),
 ]
 REQUEST_TIMEOUT_S = 180.0  # a valid request's whole life, client side; past it the request hung
 CONNECT_TIMEOUT_S = 10.0
 DRAIN_TIMEOUT_S = 60.0  # after the last request, for the workers' loads and the router's gauges to reach 0
 POLL_S = 0.25
-MAX_BACKOFF_S = 0.3  # a client refused with 429/503 waits up to this long before its next request
+NUM_SAMPLES_SHOWN = 12  # RSS samples printed per process (all are in --out)
+MAX_BACKOFF_S = 1.0  # a client refused with 429/503 waits up to this long before its next request
 RSS_TOLERANCE = 0.10  # relative growth allowed between the post-warm-up and the final RSS
 OK_OVERLOAD = frozenset({200, 429, 503})  # what a valid request may be answered with
 WORDS = ("the quick brown fox jumps over a lazy dog while seven small birds sing about rivers mountains "
@@ -83,6 +85,8 @@ class SoakConfig:
     max_tokens: int  # the most output tokens a valid request asks for (1 .. this)
     out: Path
     log_dir: Path
+    serve_args: tuple[str, ...]  # appended to SERVE_ARGS (e.g. --dtype float32, --step-trace-dir DIR)
+    rss_every_s: float  # period of the RSS time series
 
 
 @dataclass(frozen=True)
@@ -282,8 +286,7 @@ async def _send_http(session: aiohttp.ClientSession, url: str, spec: Spec) -> Ou
     outcome = Outcome(spec.kind, "")
     timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S, connect=CONNECT_TIMEOUT_S,
                                     sock_read=spec.read_timeout_s or None)
-    body = spec.body
-    data: object = _chunks(body) if spec.chunked else body
+    data: bytes | AsyncIterator[bytes] = _chunks(spec.body) if spec.chunked else spec.body
     try:
         async with session.post(url + spec.path, data=data, timeout=timeout,
                                 headers={"Content-Type": "application/json"}) as response:
@@ -306,7 +309,7 @@ async def _send_http(session: aiohttp.ClientSession, url: str, spec: Spec) -> Ou
     return outcome
 
 
-async def _chunks(body: bytes, size: int = 8192):  # noqa: ANN202 - an async generator of body chunks
+async def _chunks(body: bytes, size: int = 8192) -> AsyncIterator[bytes]:
     for start in range(0, len(body), size):
         yield body[start:start + size]
 
@@ -485,7 +488,7 @@ def host() -> dict:
 
 
 def print_report(result: dict) -> None:
-    print(f"\n{result['command']}")
+    print(f"\nserver: {result['server']}\nclient: {result['client']}")
     print(f"{result['num_requests']} requests, concurrency {result['concurrency']}, seed {result['seed']}: "
           f"{result['seconds']:.0f} s ({result['num_requests'] / result['seconds']:.1f} req/s); "
           f"drained in {result['drain_seconds']:.1f} s")
@@ -500,6 +503,12 @@ def print_report(result: dict) -> None:
     for name, r in result["rss"].items():
         growth = "-" if r["growth"] is None else f"{r['growth']:+.1%}"
         print(f"{name:12}{r['pid_end'] or '-':>8}{r['rss_warm_mb'] or 0:>22.0f}{r['rss_end_mb'] or 0:>16.0f}{growth:>9}")
+    samples = result["rss_samples"]
+    if samples:
+        shown = samples[::max(1, len(samples) // NUM_SAMPLES_SHOWN)]
+        print("\nRSS over time, MB (s since the first request: " + " ".join(f"{s['t']:.0f}" for s in shown) + ")")
+        for name in result["rss"]:
+            print(f"{name:12}" + " ".join(f"{s[name]:.0f}" if s.get(name) else "-" for s in shown))
     print()
     for name, breaches in result["invariants"].items():
         print(f"{'ok  ' if not breaches else 'FAIL'} {name}" + ("" if not breaches else ": " + "; ".join(breaches[:8])))
@@ -517,45 +526,86 @@ def parse_args() -> SoakConfig:
     parser.add_argument("--max-tokens", type=int, default=16, help="most output tokens of a valid request")
     parser.add_argument("--out", type=Path, default=Path("out/soak.json"))
     parser.add_argument("--log-dir", type=Path, default=Path("out/soak_logs"))
+    parser.add_argument("--serve-arg", action="append", default=[],
+                        help="one more flag for epdserve serve (repeat; --serve-arg=--dtype --serve-arg=float32)")
+    parser.add_argument("--rss-every", type=float, default=10.0, help="seconds between RSS samples (time series)")
     ns = parser.parse_args()
     return SoakConfig(ns.num_requests, ns.concurrency, ns.seed, min(ns.warmup, ns.num_requests), ns.max_tokens,
-                      ns.out, ns.log_dir)
+                      ns.out, ns.log_dir, tuple(ns.serve_arg), ns.rss_every)
 
 
-def main() -> int:
-    config = parse_args()
-    server = start_server(SERVE_ARGS, config.log_dir)
+class RssSampler:
+    """Samples the RSS of the processes of a snapshot every ``period_s`` seconds, from a thread."""
+
+    def __init__(self, pids: dict[str, int], period_s: float) -> None:
+        self.pids = pids
+        self.period_s = period_s
+        self.samples: list[dict[str, float | None]] = []
+        self._stop = threading.Event()
+        self._start = time.monotonic()
+        self._thread = threading.Thread(target=self._run, name="rss-sampler", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period_s):
+            now = time.monotonic()  # t_monotonic: comparable with step traces (--step-trace-dir)
+            sample: dict[str, float | None] = {"t": round(now - self._start, 1), "t_monotonic": round(now, 3)}
+            sample |= {name: rss_mb(pid) for name, pid in self.pids.items()}
+            self.samples.append(sample)
+
+    def stop(self) -> list[dict[str, float | None]]:
+        self._stop.set()
+        self._thread.join(self.period_s + 1.0)
+        return self.samples
+
+
+def soak(server: RunningServer, config: SoakConfig) -> dict:
+    """Warm-up, RSS reading, the rest of the requests, drain, RSS reading; the raw results."""
+    model = httpx.get(f"{server.url}/v1/models", timeout=10).json()["data"][0]["id"]
+    rng = random.Random(config.seed)
+    specs = [draw_spec(rng, model, config.max_tokens) for _ in range(config.num_requests)]
+    sampler = RssSampler({k: v["pid"] for k, v in rss_snapshot(server).items()}, config.rss_every_s)
+    start = time.monotonic()
     try:
-        model = httpx.get(f"{server.url}/v1/models", timeout=10).json()["data"][0]["id"]
-        rng = random.Random(config.seed)
-        specs = [draw_spec(rng, model, config.max_tokens) for _ in range(config.num_requests)]
-        start = time.monotonic()
         outcomes = asyncio.run(run_phase(server.url, specs[:config.warmup], config.concurrency, config.seed))
         drain(server, DRAIN_TIMEOUT_S)
         warm = rss_snapshot(server)
         print(f"warm-up: {config.warmup} requests in {time.monotonic() - start:.0f} s; RSS "
               + ", ".join(f"{k} {v['rss_mb']:.0f} MB" for k, v in warm.items() if v["rss_mb"]), flush=True)
-        outcomes += asyncio.run(run_phase(server.url, specs[config.warmup:], config.concurrency,
-                                         config.seed + 1))
+        outcomes += asyncio.run(run_phase(server.url, specs[config.warmup:], config.concurrency, config.seed + 1))
         seconds = time.monotonic() - start
         workers, gauges, waited = drain(server, DRAIN_TIMEOUT_S)
         end = rss_snapshot(server)
-        alive = server.process.poll() is None
+    finally:
+        samples = sampler.stop()
+    return {"outcomes": outcomes, "seconds": seconds, "warm": warm, "end": end, "workers": workers,
+            "gauges": gauges, "drain_seconds": waited, "rss_samples": samples,
+            "alive": server.process.poll() is None}
+
+
+def main() -> int:
+    config = parse_args()
+    serve_args = [*SERVE_ARGS, *config.serve_args]
+    server = start_server(serve_args, config.log_dir)
+    try:
+        raw = soak(server, config)
     finally:
         stop_server(server)
+    outcomes, workers, gauges = raw["outcomes"], raw["workers"], raw["gauges"]
     kinds = tally(outcomes)
-    rss = _rss_rows(warm, end)
+    rss = _rss_rows(raw["warm"], raw["end"])
+    client = (f"benchmarks/soak.py --num-requests {config.num_requests} --concurrency {config.concurrency} "
+              f"--seed {config.seed} --warmup {config.warmup} --max-tokens {config.max_tokens}"
+              + "".join(f" --serve-arg={a}" for a in config.serve_args))
     result = {
-        "command": f"{server.command} (the client: benchmarks/soak.py --num-requests {config.num_requests} "
-                   f"--concurrency {config.concurrency} --seed {config.seed} --warmup {config.warmup} "
-                   f"--max-tokens {config.max_tokens})",
+        "server": server.command, "client": client,
         "host": host(), "num_requests": len(outcomes), "concurrency": config.concurrency, "seed": config.seed,
-        "seconds": seconds, "drain_seconds": waited, "kinds": kinds,
+        "seconds": raw["seconds"], "drain_seconds": raw["drain_seconds"], "kinds": kinds,
         "refusals": dict(Counter(o.refusal for o in outcomes if o.refusal).most_common()),
-        "rss": rss, "workers": workers, "router_gauges": gauges,
+        "rss": rss, "rss_samples": raw["rss_samples"], "workers": workers, "router_gauges": gauges,
         "embedding_slabs": "not applicable: text-only server, no encode workers"
         if not any("embedding_slab" in w for w in workers) else "checked",
-        "invariants": invariants(kinds, rss, workers, gauges, alive),
+        "invariants": invariants(kinds, rss, workers, gauges, raw["alive"]),
     }
     print_report(result)
     config.out.parent.mkdir(parents=True, exist_ok=True)
