@@ -188,17 +188,7 @@ def test_supervisor_restarts_a_dying_worker_up_to_its_limit(tmp_path, caplog):
     policy = RestartPolicy(max_restarts=2, initial_backoff_s=0.05, max_backoff_s=0.1)
     started = []
 
-    async def supervise() -> None:
-        supervisor = WorkerSupervisor(policy, started.append)
-        supervisor.add(start_worker(launch))
-        supervisor.start()
-        deadline = time.monotonic() + 60
-        while "not restarted" not in caplog.text and time.monotonic() < deadline:
-            await asyncio.sleep(0.1)
-        supervisor.close()
-
-    with caplog.at_level(logging.WARNING, logger="epdserve.local"):
-        asyncio.run(supervise())
+    _supervise(launch, policy, started, caplog, until="not restarted")
     assert "colocated-9" in caplog.text and "not restarted (2 restarts allowed" in caplog.text
     assert len(started) == 2 and all(w.launch == launch for w in started)
     assert len({w.pid for w in started}) == 2
@@ -211,18 +201,24 @@ def test_supervisor_leaves_a_worker_that_stopped_cleanly_down(tmp_path, caplog):
     launch = WorkerLaunch("colocated-8", "colocated", "tcp://127.0.0.1:9", (), ("--help",))
     started = []
 
+    _supervise(launch, RestartPolicy(initial_backoff_s=0.05), started, caplog, until="colocated-8")
+    assert "stopped cleanly; not restarted" in caplog.text and started == []
+
+
+def _supervise(launch: WorkerLaunch, policy: RestartPolicy, started: list, caplog, until: str) -> None:
+    """Run a supervisor over one worker until its log says ``until`` (bounded), then close it."""
+
     async def supervise() -> None:
-        supervisor = WorkerSupervisor(RestartPolicy(initial_backoff_s=0.05), started.append)
+        supervisor = WorkerSupervisor(policy, started.append)
         supervisor.add(start_worker(launch))
         supervisor.start()
         deadline = time.monotonic() + 60
-        while "colocated-8" not in caplog.text and time.monotonic() < deadline:
+        while until not in caplog.text and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
         supervisor.close()
 
     with caplog.at_level(logging.WARNING, logger="epdserve.local"):
         asyncio.run(supervise())
-    assert "stopped cleanly; not restarted" in caplog.text and started == []
 
 
 def test_restart_policy_is_validated():

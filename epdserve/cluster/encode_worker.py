@@ -22,12 +22,11 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-import msgspec
 import torch
 import zmq
 
 from epdserve.cluster import messages as m
-from epdserve.cluster.router_link import StepProgress, connect_to_router, start_heartbeats
+from epdserve.cluster.router_link import StepProgress, connect_to_router, recv_message, start_heartbeats
 from epdserve.config import resolve_device_name, resolve_dtype_name
 from epdserve.engine.encoder_runner import EncodeJob, EncodeResult, EncoderRunner
 from epdserve.engine.failures import EXIT_FATAL, describe, is_fatal
@@ -103,12 +102,9 @@ class EncodeWorker:
                 timeout_ms = 0 if self.queue else 100
                 self.progress.end()
                 while self.sock.poll(timeout_ms, zmq.POLLIN):
-                    try:
-                        msg = m.decode(self.sock.recv())
-                    except msgspec.DecodeError as e:  # a malformed frame costs itself only
-                        log.warning("dropping a malformed message from the router: %s", e)
-                        continue
-                    self._handle(msg)
+                    msg = recv_message(self.sock)
+                    if msg is not None:
+                        self._handle(msg)
                     timeout_ms = 0
                     if self._stop.is_set():
                         return 0

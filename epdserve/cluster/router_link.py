@@ -11,13 +11,17 @@ does not read them, and a send waits at most ``SEND_TIMEOUT_MS`` for room (then 
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
 
+import msgspec
 import zmq
 
 from epdserve.cluster import messages as m
+
+log = logging.getLogger("epdserve.worker")
 
 SEND_HWM = 100_000  # messages queued for the router at most
 SEND_TIMEOUT_MS = 10_000
@@ -32,6 +36,16 @@ def connect_to_router(ctx: zmq.Context, router: str, identity: str) -> zmq.Socke
     sock.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)
     sock.connect(router)
     return sock
+
+
+def recv_message(sock: zmq.Socket) -> m.Message | None:
+    """The next control message on ``sock`` (one is ready); None for a malformed frame, which
+    costs only itself."""
+    try:
+        return m.decode(sock.recv())
+    except msgspec.DecodeError as e:
+        log.warning("dropping a malformed message from the router: %s", e)
+        return None
 
 
 class StepProgress:

@@ -26,7 +26,7 @@ import torch
 import zmq
 
 from epdserve.cluster import messages as m
-from epdserve.cluster.router_link import StepProgress, connect_to_router, start_heartbeats
+from epdserve.cluster.router_link import StepProgress, connect_to_router, recv_message, start_heartbeats
 from epdserve.cluster.step_trace import StepTrace
 from epdserve.cluster.worker_images import ConsumerImages, ImageOptions
 from epdserve.config import EngineArgs, resolve_device_name
@@ -227,12 +227,9 @@ class Worker:
                     if self.sock not in ready:
                         break
                     self.progress.begin()
-                    try:
-                        msg = m.decode(self.sock.recv())
-                    except msgspec.DecodeError as e:  # a malformed frame costs itself only
-                        log.warning("dropping a malformed message from the router: %s", e)
-                        continue
-                    self._handle(msg)
+                    msg = recv_message(self.sock)
+                    if msg is not None:
+                        self._handle(msg)
                     timeout_ms = 0
                     if self._stop.is_set():
                         return 0
