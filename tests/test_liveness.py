@@ -128,3 +128,43 @@ def test_expired_reservation_fails_its_request_without_corrupting_another(tmp_pa
         server.wait_all_blocks_free(20)
     finally:
         stop_server(server)
+
+
+def _slab(server: Server) -> dict:
+    return next(w["embedding_slab"] for w in server.workers() if "embedding_slab" in w)
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_paused_encode_worker_keeps_its_slab_rows_until_it_reconciles(tmp_path, transport):
+    """An encode worker paused past its lease fails its request, but the rows it was to write
+    stay held while it is suspected (it may resume in the middle of a batch and write them);
+    once it is back and reconciled they are free, and it encodes again."""
+    from test_epd_serve import chat, chat_body, data_url, image_bytes
+
+    server = start_server(SMALL + ["--worker-lease", "1", "--encode-workers", "1", "--colocated-workers", "1",
+                                   "--embed-transport", transport], str(tmp_path))
+    try:
+        image = data_url(image_bytes(5))
+        first = chat(server, chat_body([image]))
+        assert first.status_code == 200, first.text
+        expected = first.json()["choices"][0]["message"]["content"]
+        num_rows = _slab(server)["num_rows"]
+        server.wait_until(lambda: _slab(server)["num_free_rows"] == num_rows, 10, "the slab to be free")
+        encoder = next(w for w in server.workers() if w["role"] == "encode")
+        os.kill(encoder["pid"], signal.SIGSTOP)
+        try:
+            failed = chat(server, chat_body([data_url(image_bytes(6))]))
+            assert failed.status_code >= 400 and "encode worker" in failed.json()["error"]["message"], failed.text
+            assert state_of(server, "encode") == "suspect"
+            assert _slab(server)["num_free_rows"] < num_rows  # held: the paused encoder may still write them
+            time.sleep(1.0)
+            assert _slab(server)["num_free_rows"] < num_rows
+        finally:
+            os.kill(encoder["pid"], signal.SIGCONT)
+        server.wait_until(lambda: state_of(server, "encode") == "ready", 30, "the paused encoder to rejoin")
+        server.wait_until(lambda: _slab(server)["num_free_rows"] == num_rows, 10, "the held rows to be freed")
+        again = chat(server, chat_body([image]))
+        assert again.status_code == 200 and again.json()["choices"][0]["message"]["content"] == expected
+        server.wait_all_blocks_free()
+    finally:
+        stop_server(server)

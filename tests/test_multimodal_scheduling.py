@@ -166,7 +166,7 @@ def test_tcp_slab_lands_only_expected_images():
         landed.append((request_id, index))
         done.set()
 
-    receiver = TcpSlabReceiver(rows, on_landed, lambda rid, i: rid == "live", threading.Lock())
+    receiver = TcpSlabReceiver(rows, on_landed, lambda rid, i, offset, num_rows: rid == "live", threading.Lock())
     sender = TcpSlabSender(receiver.host, receiver.port, 8, 4, torch.bfloat16)
     try:
         sender.send("dropped", 0, 0, torch.full((2, 4), 5.0))  # an aborted request: read, not written

@@ -154,10 +154,15 @@ class ConsumerImages:
         return {"encode_start": times.start, "encode_end": times.end, "num_encoder_cache_hits": times.num_cache_hits}
 
     # -- TCP landings --------------------------------------------------------------------
-    def _accepts(self, request_id: str, image_index: int) -> bool:
-        """Receiver thread, under ``lock``: whether this image's rows may land now."""
+    def _accepts(self, request_id: str, image_index: int, row_offset: int, num_rows: int) -> bool:
+        """Receiver thread, under ``lock``: whether these rows may land now (the request is
+        live, the image not yet landed, and the rows are the ones the router placed it in)."""
         mm_inputs = self.engine.mm_inputs(request_id)
-        return mm_inputs is not None and 0 <= image_index < len(mm_inputs) and not mm_inputs[image_index].is_ready
+        if mm_inputs is None or not 0 <= image_index < len(mm_inputs) or mm_inputs[image_index].is_ready:
+            return False
+        embeds = mm_inputs[image_index].embeds
+        return (isinstance(embeds, torch.Tensor) and num_rows > 0 and embeds.shape[0] == num_rows
+                and embeds.data_ptr() == self.rows[row_offset].data_ptr())
 
     def _on_landed(self, request_id: str, image_index: int) -> None:
         with self.lock:

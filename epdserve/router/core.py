@@ -717,8 +717,10 @@ class Router:
             return
         was_ready = worker.is_ready
         worker.state = state
-        if not was_ready:
-            return  # SUSPECT -> DEAD: its requests failed already
+        if not was_ready:  # SUSPECT -> DEAD: its requests failed already
+            if state is WorkerState.DEAD:
+                self.encode.on_worker_gone(worker)
+            return
         worker.last_reconcile = 0.0
         self.metrics.worker_up.labels(worker_id, worker.role).set(0)
         log.warning("worker %s (%s) is %s: %s", worker_id, worker.role, state.value, reason)

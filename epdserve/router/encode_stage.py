@@ -10,7 +10,11 @@ An image request's path, with encode workers::
 
 A slab region is freed only when both hold: the consumer is done with the path (finished,
 aborted or dead) and no encoder can still write the region (every job answered, or its
-encoder dead). Without encode workers, a consumer that has its own encoder gets the image
+encoder gone). A suspected encoder (lease missed, step hung) may still be alive and resume in
+the middle of a batch, writing into the rows of requests the router has failed meanwhile: the
+rows of its jobs stay held (quarantined) until it has reconciled and registered again, which
+it does only after the batch in hand is written, or until its process is known to have
+exited. Without encode workers, a consumer that has its own encoder gets the image
 files inline and encodes them itself.
 """
 
@@ -21,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from epdserve.cluster import messages as m
+from epdserve.router.workers import WorkerState
 from epdserve.transfer.slab import SlabAllocator, SlabRegion
 
 if TYPE_CHECKING:
@@ -52,6 +57,8 @@ class EncodeStage:
         self.allocators: dict[str, SlabAllocator] = {}  # consumer worker id -> its slab's rows
         self.slabs: dict[str, m.SlabEndpoint] = {}
         self.jobs_per_encoder: dict[str, set[tuple[str, int]]] = {}  # (path id, image index)
+        # Suspected encoder -> its jobs whose rows stay held until it reconciles or exits.
+        self.quarantined: dict[str, set[tuple[str, int]]] = {}
 
     # -- workers -------------------------------------------------------------------------
     def on_register(self, msg: m.Register) -> None:
@@ -63,19 +70,26 @@ class EncodeStage:
             for encoder in router.registry.ready("encode"):
                 router._post(encoder.worker_id, m.SlabUp(msg.worker_id, msg.slab))
         if msg.role == "encode":
+            self._release_quarantine(msg.worker_id)  # back and reconciled, or a new process
             self.jobs_per_encoder[msg.worker_id] = set()
             for worker_id, slab in self.slabs.items():
                 if router._is_ready(worker_id):
                     router._post(msg.worker_id, m.SlabUp(worker_id, slab))
 
     def on_worker_dead(self, worker: WorkerInfo) -> None:
+        """``worker`` left READY (for SUSPECT or DEAD): its requests fail."""
         if worker.role == "encode":
             router = self.router
-            for path_id, index in self.jobs_per_encoder.pop(worker.worker_id, set()):
+            jobs = self.jobs_per_encoder.pop(worker.worker_id, set())
+            is_suspect = worker.state is WorkerState.SUSPECT
+            if is_suspect:
+                self.quarantined[worker.worker_id] = jobs
+            for path_id, index in jobs:
                 path = router.paths.get(path_id)
                 if path is None or path.mm is None:
                     continue
-                path.mm.pending_jobs.pop(index, None)  # a dead encoder writes nothing more
+                if not is_suspect:
+                    path.mm.pending_jobs.pop(index, None)  # a dead encoder writes nothing more
                 if not path.done:
                     router._fail(path, f"encode worker {worker.worker_id} failed while serving this request")
                 self.maybe_free(path)
@@ -90,6 +104,20 @@ class EncodeStage:
                     self.router.forget_if_idle(path)
             for encoder in self.router.registry.ready("encode"):
                 self.router._post(encoder.worker_id, m.PeerDown(worker.worker_id))
+
+    def on_worker_gone(self, worker: WorkerInfo) -> None:
+        """A suspected worker's process exited: it writes nothing more."""
+        if worker.role == "encode":
+            self._release_quarantine(worker.worker_id)
+
+    def _release_quarantine(self, encoder: str) -> None:
+        for path_id, index in self.quarantined.pop(encoder, set()):
+            path = self.router.paths.get(path_id)
+            if path is None or path.mm is None or path.mm.pending_jobs.get(index) != encoder:
+                continue
+            del path.mm.pending_jobs[index]
+            path.mm.sent_indices.discard(index)
+            self.maybe_free(path)
 
     def has_encoders(self) -> bool:
         return bool(self.router.registry.ready("encode"))
@@ -150,6 +178,7 @@ class EncodeStage:
     def on_encode_done(self, sender: str, msg: m.EncodeDone) -> None:
         router = self.router
         self.jobs_per_encoder.get(sender, set()).discard((msg.request_id, msg.image_index))
+        self.quarantined.get(sender, set()).discard((msg.request_id, msg.image_index))
         path = router.paths.get(msg.request_id)
         if path is None or path.mm is None or msg.image_index not in path.mm.pending_jobs:
             return

@@ -40,7 +40,7 @@ class TcpSlabReceiver(FrameListener):
         self,
         rows: torch.Tensor,
         on_landed: Callable[[str, int], None],
-        accepts: Callable[[str, int], bool],
+        accepts: Callable[[str, int, int, int], bool],
         lock: threading.Lock,
         host: str = "127.0.0.1",
     ) -> None:
@@ -67,7 +67,7 @@ class TcpSlabReceiver(FrameListener):
                     return  # a malformed frame: drop the connection, the sender's jobs fail
                 data = torch.frombuffer(payload, dtype=self.rows.dtype).view(frame.num_rows, hidden)
                 with self.lock:
-                    if not self.accepts(frame.request_id, frame.image_index):
+                    if not self.accepts(frame.request_id, frame.image_index, frame.row_offset, frame.num_rows):
                         continue
                     self.rows[frame.row_offset : end].copy_(data)
                 self.on_landed(frame.request_id, frame.image_index)
