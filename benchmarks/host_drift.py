@@ -23,8 +23,8 @@ import torch
 
 from epdserve.config import EngineArgs
 from epdserve.engine.engine import LLMEngine
-from epdserve.planner.profile import StepProbe
 from epdserve.planner.profile_grid import StepPoint
+from epdserve.planner.step_probe import StepProbe
 
 
 def main() -> None:

@@ -28,8 +28,8 @@ import torch.nn.functional as F
 from epdserve.config import EngineArgs, resolve_dtype_name
 from epdserve.engine.engine import LLMEngine
 from epdserve.models.layers import attention
-from epdserve.planner.profile import StepProbe
 from epdserve.planner.profile_grid import StepPoint
+from epdserve.planner.step_probe import StepProbe
 
 # (start_pos, new tokens): text before the first image, then one chunk per 256-token image
 # as embeddings arrive, then the rest in larger chunks (the pipelined prefill's step trace).

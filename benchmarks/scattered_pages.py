@@ -32,8 +32,8 @@ import torch
 from epdserve.config import EngineArgs
 from epdserve.engine.engine import LLMEngine
 from epdserve.engine.scheduler import ScheduledRequest, SchedulerOutput
-from epdserve.planner.profile import StepProbe
 from epdserve.planner.profile_grid import StepPoint
+from epdserve.planner.step_probe import StepProbe
 from epdserve.request import Request
 from epdserve.sampling import SamplingParams
 

@@ -55,7 +55,8 @@ from epdserve.bench.experiments.report import (
     markdown_table,
     process_ticks,
 )
-from epdserve.sim.cost_model import CostModel, StepShape
+from epdserve.engine.step_shape import StepShape
+from epdserve.sim.cost_model import CostModel
 
 TOPOLOGIES = {  # simulator topology -> serve flags (every worker on one core)
     "colocated=2": ["--colocated-workers", "2", "--cores-per-worker", "1"],

@@ -36,7 +36,7 @@ import threading
 import time
 from collections import Counter, defaultdict
 from collections.abc import AsyncIterator, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 

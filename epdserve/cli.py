@@ -11,49 +11,11 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 
+from epdserve.cli_args import add_engine_args, engine_args_from
 from epdserve.errors import EpdserveError
 
 EXIT_USAGE = 2
 DEFAULT_GENERATE_TOKENS = 64  # generate's output tokens per prompt without --max-tokens
-
-
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("engine")
-    g.add_argument("--model", default=None, help="GGUF file, Hugging Face directory, 'default' (SmolLM2-135M-Instruct) or 'gemma3'")
-    g.add_argument("--dtype", default="auto", help="auto (bfloat16 on CUDA and on CPUs with native bf16 matmuls, else float32), bfloat16, float32, float16")
-    g.add_argument("--device", default="auto", help="auto (cuda if present, else cpu), cpu, cuda, cuda:N")
-    g.add_argument("--max-model-len", type=int, default=None, help="prompt + output tokens of one request")
-    g.add_argument("--max-num-seqs", type=int, default=256, help="sequences running at once")
-    g.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens computed per step")
-    g.add_argument("--no-chunked-prefill", action="store_true", help="run each prompt in one step")
-    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    g.add_argument("--kv-cache-memory", type=float, default=2.0, help="KV cache size in GiB")
-    g.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks per group (overrides --kv-cache-memory)")
-    g.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
-    g.add_argument("--seed", type=int, default=0, help="seed of the engine's shared sampler")
-    # Fault injection for tests: KIND:SEED[:OPTION ...], repeatable (epdserve/faults.py).
-    g.add_argument("--debug-fault", action="append", default=[], help=argparse.SUPPRESS)
-
-
-def engine_args_from(ns: argparse.Namespace):  # -> EngineArgs
-    from epdserve.config import EngineArgs
-    from epdserve.faults import parse_fault
-
-    return EngineArgs(
-        model=ns.model,
-        dtype=ns.dtype,
-        device=ns.device,
-        seed=ns.seed,
-        max_model_len=ns.max_model_len,
-        max_num_seqs=ns.max_num_seqs,
-        max_num_batched_tokens=ns.max_num_batched_tokens,
-        enable_chunked_prefill=not ns.no_chunked_prefill,
-        block_size=ns.block_size,
-        kv_cache_memory_gib=ns.kv_cache_memory,
-        num_kv_blocks=ns.num_kv_blocks,
-        enable_prefix_caching=not ns.no_prefix_caching,
-        faults=tuple(parse_fault(text) for text in ns.debug_fault),
-    )
 
 
 def _generate(ns: argparse.Namespace) -> int:
@@ -203,14 +165,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_parser(sub)
 
-    from epdserve.sim.cli import add_plan_parser, add_simulate_parser
+    from epdserve.planner.plan_cli import add_plan_parser
+    from epdserve.sim.cli import add_simulate_parser
 
     add_simulate_parser(sub)
     add_plan_parser(sub)
 
     from epdserve.planner.profile_cli import add_profile_parser
 
-    add_profile_parser(sub, add_engine_args)
+    add_profile_parser(sub)
 
     from epdserve.planner.calibrate import add_calibrate_parser
 

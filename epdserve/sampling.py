@@ -1,8 +1,12 @@
-"""Per-request sampling parameters, validated on construction."""
+"""Per-request sampling parameters, validated on construction.
+
+They travel between processes as they are: control messages carry a ``SamplingParams`` field
+(msgspec encodes the dataclass, and decoding one runs the same checks as constructing it).
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 
 from epdserve.errors import InvalidRequestError
 
@@ -26,7 +30,6 @@ class SamplingParams:
     logprobs: int | None = None  # number of top alternatives to return with each token
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -64,3 +67,12 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature < GREEDY_EPSILON
+
+    def split(self, request_id: str) -> list[tuple[str, SamplingParams]]:
+        """The request's ``n`` sequences as requests of their own, with their ids: ``n=1`` each,
+        sequence i named ``request_id#i`` and seeded ``seed + i`` (when seeded), so each is
+        reproducible on any worker. One sequence keeps the request's id."""
+        if self.n == 1:
+            return [(request_id, self)]
+        return [(f"{request_id}#{i}", replace(self, n=1, seed=None if self.seed is None else self.seed + i))
+                for i in range(self.n)]

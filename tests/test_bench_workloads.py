@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 from epdserve.bench import BenchError
-from epdserve.bench.cli import add_bench_parser, load_workload
+from epdserve.bench.args import load_workload
+from epdserve.bench.cli import add_bench_parser
 from epdserve.bench.workloads import (
     TRACE_BLOCK_TOKENS,
     arrival_offsets,

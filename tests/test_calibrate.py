@@ -8,9 +8,10 @@ import pytest
 from test_sim import profile_dict
 
 from epdserve.cli import main
+from epdserve.engine.step_shape import StepShape
 from epdserve.errors import ConfigError
 from epdserve.planner.calibrate import MIN_STEPS, calibrate
-from epdserve.sim.cost_model import CostModel, StepShape
+from epdserve.sim.cost_model import CostModel
 
 
 def write_trace(directory, worker_id, role, steps, t0=0.0):

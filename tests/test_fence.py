@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from epdserve.cluster.messages import KVEndpoint
 from epdserve.transfer.connector import ShmLink
+from epdserve.transfer.descriptors import KVEndpoint
 from epdserve.transfer.fence import ReservationFence
 from epdserve.transfer.shm_pool import SharedKVPool
 from epdserve.transfer.tcp import TcpKVReceiver, TcpKVSender

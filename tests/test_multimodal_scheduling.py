@@ -10,13 +10,13 @@ import stat
 
 import pytest
 import torch
+from test_scheduler import make, run_all, run_step
 
-from epdserve.cluster.messages import SlabEndpoint
 from epdserve.engine.encoder_runner import EncoderCache
 from epdserve.request import MMInput, Request
 from epdserve.sampling import SamplingParams
+from epdserve.transfer.descriptors import SlabEndpoint
 from epdserve.transfer.slab import EmbeddingSlab, SlabAllocator, SlabRegion
-from test_scheduler import make, run_all, run_step
 
 
 def mm_req(rid, n_prompt, images, pipelined=True, max_tokens=2):

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from epdserve.errors import ConfigError
+from epdserve.planner.capacity import Candidate, max_rate, normalized
 from epdserve.planner.plan import (
     counts_for_budget,
     counts_for_rate,
@@ -21,10 +22,9 @@ from epdserve.planner.plan import (
     normalize_ratio,
     role_work,
 )
+from epdserve.planner.search import enumerate_candidates, search
 from epdserve.planner.slo import evaluate, parse_slo
-from epdserve.sim.capacity import Candidate, max_rate, normalized
 from epdserve.sim.cost_model import CostModel, StepCost
-from epdserve.sim.search import enumerate_candidates, search
 from epdserve.sim.topology import Topology
 from epdserve.sim.workload import random_workload
 
@@ -137,7 +137,7 @@ def test_search_prefers_more_decode_when_decode_is_the_bottleneck():
     slo = parse_slo("ttft_p90:1000,tpot_p90:60")
     split = [c for c in enumerate_candidates(4, (), False) if c.topology.is_split and c.topology.num_instances == 4]
     assert {c.topology.spec for c in split} == {"prefill=1,decode=3", "prefill=2,decode=2", "prefill=3,decode=1"}
-    from epdserve.sim.capacity import ProbeSpec
+    from epdserve.planner.capacity import ProbeSpec
 
     found = search(cost, split, lambda c: 10.0 * c.topology.num_decode, base, slo, 0.9, {}, ProbeSpec(150, 0, 150),
                    num_workers=1)
@@ -148,7 +148,7 @@ def test_search_prefers_more_decode_when_decode_is_the_bottleneck():
 
 
 def test_ratio_class_groups_multiples_of_one_shape():
-    from epdserve.sim.search import ratio_class
+    from epdserve.planner.search import ratio_class
 
     big = Candidate(Topology(num_prefill=4, num_decode=6), (("decode", 64),))
     small = Candidate(Topology(num_prefill=2, num_decode=3), (("decode", 64),))

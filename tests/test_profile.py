@@ -13,13 +13,15 @@ import pytest
 import torch
 
 from epdserve.engine.scheduler import ScheduledRequest, SchedulerOutput
+from epdserve.engine.step_shape import StepShape
 from epdserve.errors import ConfigError
 from epdserve.planner import profile
-from epdserve.planner.profile import fit_line, median_time_s, worst_fitted
+from epdserve.planner.profile import fit_line, worst_fitted
 from epdserve.planner.profile_grid import FULL_GRID, QUICK_GRID, StepPoint
+from epdserve.planner.step_probe import median_time_s
 from epdserve.request import Request
 from epdserve.sampling import SamplingParams
-from epdserve.sim.cost_model import CostModel, StepCost, StepShape
+from epdserve.sim.cost_model import CostModel, StepCost
 
 CLI_TIMEOUT_S = 300
 
@@ -129,7 +131,7 @@ def test_fit_line_keeps_terms_non_negative():
 def test_probe_builds_the_intended_steps_and_frees_every_block():
     from epdserve.config import EngineArgs
     from epdserve.engine.engine import LLMEngine
-    from epdserve.planner.profile import StepProbe
+    from epdserve.planner.step_probe import StepProbe
 
     engine = LLMEngine(EngineArgs(num_kv_blocks=256, enable_prefix_caching=False))
     probe = StepProbe(engine)
@@ -163,7 +165,8 @@ def test_bad_input_is_one_line_exit_2(args, message, tmp_path):
 def test_prefill_probe_pushes_its_kv_into_the_peer_pool():
     from epdserve.config import EngineArgs
     from epdserve.engine.engine import LLMEngine
-    from epdserve.planner.profile import StepProbe, pushing_kv
+    from epdserve.planner.profile import pushing_kv
+    from epdserve.planner.step_probe import StepProbe
 
     engine = LLMEngine(EngineArgs(num_kv_blocks=64, enable_prefix_caching=False))
     probe = StepProbe(engine)

@@ -14,9 +14,10 @@ from epdserve.bench.metrics import RequestOutput, compute_metrics
 from epdserve.bench.report import RunInfo, build_result
 from epdserve.engine.kv_cache import KVCacheManager
 from epdserve.engine.scheduler import Scheduler
+from epdserve.engine.step_shape import StepShape
 from epdserve.errors import ConfigError
 from epdserve.sim.cluster import ClusterSim, SimConfig
-from epdserve.sim.cost_model import CostModel, StepCost, StepShape
+from epdserve.sim.cost_model import CostModel, StepCost
 from epdserve.sim.instance import Link
 from epdserve.sim.results import build_sim_result
 from epdserve.sim.topology import Topology, parse_topology

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import httpx
+import msgspec
 import pytest
 import torch
 import zmq
@@ -26,7 +27,6 @@ from serving import SMALL, Server, start_server, stop_server
 
 from epdserve.cluster import messages as m
 from epdserve.cluster.local import RestartPolicy, WorkerLaunch, WorkerSupervisor, start_worker
-from epdserve.cluster.worker import sampling_to_dict
 from epdserve.config import EngineArgs
 from epdserve.engine.engine import LLMEngine
 from epdserve.engine.failures import EXIT_FATAL, is_fatal
@@ -258,8 +258,8 @@ class RouterSocket:
 
 @pytest.mark.slow
 def test_prefill_worker_fails_bad_requests_alone_and_ends_each_transfer_once(tmp_path):
-    """A Submit the worker cannot take (a bad sampling field: TypeError, not a validation
-    error) and a request whose sampling raises each fail alone, with exactly one TransferDone,
+    """A Submit the worker cannot take (a sampling field of the wrong type: the frame does not
+    decode) and a request whose sampling raises each fail alone, with exactly one TransferDone,
     while a normal request beside them is served."""
     router = RouterSocket()
     worker_id = "prefill-t"
@@ -273,8 +273,8 @@ def test_prefill_worker_fails_bad_requests_alone_and_ends_each_transfer_once(tmp
         assert isinstance(router.recv(120), m.Register)
         router.worker_id = worker_id.encode()
         prompt = list(range(100, 140))
-        sampling = sampling_to_dict(greedy())
-        for request_id, fields in (("bad", {**sampling, "no_such_field": 1}),
+        sampling = msgspec.to_builtins(greedy())
+        for request_id, fields in (("bad", {**sampling, "max_tokens": "many"}),
                                    ("victim", {**sampling, "seed": VICTIM_SEED}), ("ok", sampling)):
             router.send(m.Submit(request_id, prompt, fields, kv_target="decode-x", kv_target_block_ids=[[1, 2, 3]]))
         failed: dict[str, str] = {}
@@ -294,7 +294,7 @@ def test_prefill_worker_fails_bad_requests_alone_and_ends_each_transfer_once(tmp
         while not isinstance(msg := router.recv(60), m.TransferDone) or msg.request_id != "marker":
             if isinstance(msg, m.TransferDone):
                 transfers[msg.request_id] += 1
-        assert "TypeError" in failed["bad"] and "injected sampling fault" in failed["victim"]
+        assert "malformed" in failed["bad"] and "max_tokens" in failed["bad"] and "injected sampling fault" in failed["victim"]
         assert [o.request_id for o in outputs] == ["ok"] and len(outputs[0].token_ids) == 1
         assert transfers == {"bad": 1, "victim": 1, "ok": 1}
         assert process.poll() is None

@@ -36,7 +36,7 @@ EXIT_BENCH_ERROR = 2
 
 def add_sweep_parser(bench_sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Register ``bench sweep`` with the target, workload and sampling flags of ``bench serve``."""
-    from epdserve.bench.cli import add_sampling_args, add_target_args, add_workload_args
+    from epdserve.bench.args import add_sampling_args, add_target_args, add_workload_args
 
     p = bench_sub.add_parser("sweep", help="run the bench client at several request rates or concurrencies")
     add_target_args(p)
@@ -104,7 +104,7 @@ def _run_level(ns: argparse.Namespace, setup: _Setup, index: int, level: float) 
     """One ``bench serve`` run at ``level``; its summary row (milliseconds, requests/s)."""
     from tqdm import tqdm
 
-    from epdserve.bench.cli import load_workload
+    from epdserve.bench.args import load_workload
     from epdserve.bench.client import run_benchmark
     from epdserve.bench.metrics import compute_metrics
     from epdserve.bench.report import RunInfo, build_result, write_result_json
@@ -146,7 +146,7 @@ def _run_level(ns: argparse.Namespace, setup: _Setup, index: int, level: float) 
 
 def run_sweep(ns: argparse.Namespace) -> dict:
     """Every level in ascending order; returns (and writes) the sweep.json contents."""
-    from epdserve.bench.cli import client_config, parse_goodput
+    from epdserve.bench.args import client_config, parse_goodput
     from epdserve.bench.report import write_result_json
     from epdserve.bench.workloads import load_tokenizer
 

@@ -76,7 +76,7 @@ def load_tokenizer(path: str | None) -> BenchTokenizer:
 
     if path is None:
         try:
-            from epdserve.models.tokenizer import load_default_tokenizer
+            from epdserve.models.loader import load_default_tokenizer
         except ImportError:
             raise BenchError("no default tokenizer is available; pass --tokenizer PATH") from None
         loaded = load_default_tokenizer()

@@ -26,7 +26,13 @@ import torch
 import zmq
 
 from epdserve.cluster import messages as m
-from epdserve.cluster.router_link import StepProgress, connect_to_router, recv_message, start_heartbeats
+from epdserve.cluster.router_link import (
+    MalformedFrame,
+    StepProgress,
+    connect_to_router,
+    recv_message,
+    start_heartbeats,
+)
 from epdserve.config import resolve_device_name, resolve_dtype_name
 from epdserve.engine.encoder_runner import EncodeJob, EncodeResult, EncoderRunner
 from epdserve.engine.failures import EXIT_FATAL, describe, is_fatal
@@ -120,7 +126,7 @@ class EncodeWorker:
             self.close()
         return 0
 
-    def _handle(self, msg: m.Message) -> None:
+    def _handle(self, msg: m.Message | MalformedFrame) -> None:
         """One message; an exception costs only its image (EncodeDone not ok), fatal ones raise."""
         try:
             self._dispatch(msg)
@@ -131,8 +137,11 @@ class EncodeWorker:
             if isinstance(msg, m.EncodeImage):  # not queued: answered here
                 self._reply(msg, False, reason=describe(e, "queueing the image"))
 
-    def _dispatch(self, msg: m.Message) -> None:
-        if isinstance(msg, m.EncodeImage):
+    def _dispatch(self, msg: m.Message | MalformedFrame) -> None:
+        if isinstance(msg, MalformedFrame):
+            if msg.kind == "EncodeImage" and msg.image_index >= 0:  # the router waits for its answer
+                self.sock.send(m.encode(m.EncodeDone(msg.request_id, msg.image_index, False, reason=msg.reason)))
+        elif isinstance(msg, m.EncodeImage):
             self.queue.append(msg)
         elif isinstance(msg, m.Abort):
             kept = deque()

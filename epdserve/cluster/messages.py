@@ -13,39 +13,16 @@ from typing import Union
 
 import msgspec
 
+from epdserve.sampling import SamplingParams
+from epdserve.transfer.descriptors import KVEndpoint, SlabEndpoint
+
 
 class Msg(msgspec.Struct, tag=True, omit_defaults=True):
     pass
 
 
 # -- worker -> router --------------------------------------------------------------------
-class KVEndpoint(msgspec.Struct, omit_defaults=True):
-    """How a prefill worker reaches a decode worker's KV pages (registered at start-up)."""
-
-    transport: str  # "shm" | "tcp"
-    shm_name: str = ""  # shared-memory segment holding the decode worker's whole KV pool
-    host: str = ""
-    port: int = 0
-    num_blocks: int = 0
-    block_size: int = 0
-    dtype: str = ""
-    # per layer: (num_kv_heads, head_dim); the pool is [layer][2][block][slot][head][dim]
-    layer_shapes: list[tuple[int, int]] = []
-    # The write fence (epdserve/transfer/fence.py): shm only, the owner array's segment.
-    fence_shm_name: str = ""
-    num_groups: int = 1
-
-
-class SlabEndpoint(msgspec.Struct, omit_defaults=True):
-    """A consumer's embedding slab (registered at start-up): rows of ``hidden_size`` elements."""
-
-    transport: str  # "shm" | "tcp"
-    shm_name: str = ""
-    host: str = ""
-    port: int = 0
-    num_rows: int = 0
-    hidden_size: int = 0
-    dtype: str = ""
+# (KVEndpoint and SlabEndpoint, the descriptors a worker registers, live in the transfer layer.)
 
 
 class Register(Msg):
@@ -211,7 +188,7 @@ class Submit(Msg):
 
     request_id: str
     prompt_token_ids: list[int]
-    sampling: dict
+    sampling: SamplingParams
     # P/D: where the KV goes (decode worker id, its block ids per group, the reservation's
     # generation, which every write carries)
     kv_target: str = ""
@@ -256,7 +233,7 @@ class StartDecode(Msg):
     request_id: str
     prompt_token_ids: list[int]
     first_token_id: int
-    sampling: dict
+    sampling: SamplingParams
 
 
 class Abort(Msg):

@@ -15,6 +15,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import msgspec
 import zmq
@@ -38,14 +39,41 @@ def connect_to_router(ctx: zmq.Context, router: str, identity: str) -> zmq.Socke
     return sock
 
 
-def recv_message(sock: zmq.Socket) -> m.Message | None:
-    """The next control message on ``sock`` (one is ready); None for a malformed frame, which
-    costs only itself."""
+@dataclass(frozen=True)
+class MalformedFrame:
+    """A frame from the router that did not decode as the message it claims to be (this
+    process's stand-in, never sent): what could be read of it, so the request it was about
+    fails alone instead of waiting for a message that will never come."""
+
+    kind: str  # the message type it names ("" when unreadable)
+    request_id: str
+    reason: str
+    kv_target: str = ""  # Submit: the decode worker a prefill would have written to
+    image_index: int = -1  # EncodeImage
+
+
+def recv_message(sock: zmq.Socket) -> m.Message | MalformedFrame | None:
+    """The next control message on ``sock`` (one is ready); a MalformedFrame for a frame that
+    names a request but does not check out, None for one that names nothing (dropped)."""
+    data = sock.recv()
     try:
-        return m.decode(sock.recv())
+        return m.decode(data)
     except msgspec.DecodeError as e:
-        log.warning("dropping a malformed message from the router: %s", e)
+        reason = f"malformed {type(e).__name__}: {e}"
+    try:
+        raw = msgspec.msgpack.decode(data)
+    except msgspec.DecodeError:
+        raw = None
+    fields = raw if isinstance(raw, dict) else {}
+    request_id = fields.get("request_id")
+    if not isinstance(request_id, str) or not request_id:
+        log.warning("dropping a malformed message from the router: %s", reason)
         return None
+    kind, kv_target, index = fields.get("type"), fields.get("kv_target"), fields.get("image_index")
+    log.warning("malformed %s for %s: %s", kind, request_id, reason)
+    return MalformedFrame(kind if isinstance(kind, str) else "", request_id, reason,
+                          kv_target if isinstance(kv_target, str) else "",
+                          index if isinstance(index, int) and not isinstance(index, bool) else -1)
 
 
 class StepProgress:

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
-from epdserve.sim.cost_model import StepShape
+from epdserve.engine.step_shape import StepShape
 
 if TYPE_CHECKING:
     from epdserve.engine.engine import LLMEngine

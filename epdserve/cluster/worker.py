@@ -19,14 +19,20 @@ import socket
 import threading
 import time
 import uuid
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 
 import msgspec
 import torch
 import zmq
 
 from epdserve.cluster import messages as m
-from epdserve.cluster.router_link import StepProgress, connect_to_router, recv_message, start_heartbeats
+from epdserve.cluster.router_link import (
+    MalformedFrame,
+    StepProgress,
+    connect_to_router,
+    recv_message,
+    start_heartbeats,
+)
 from epdserve.cluster.step_trace import StepTrace
 from epdserve.cluster.worker_images import ConsumerImages, ImageOptions
 from epdserve.config import EngineArgs, resolve_device_name
@@ -34,7 +40,6 @@ from epdserve.engine.engine import LLMEngine, RequestOutput
 from epdserve.engine.failures import EXIT_FATAL, describe, is_fatal
 from epdserve.errors import EpdserveError, InvalidRequestError
 from epdserve.gc_heap import freeze_startup_heap
-from epdserve.sampling import SamplingParams
 from epdserve.transfer.connector import KVPusher
 from epdserve.transfer.fence import ReservationFence
 from epdserve.transfer.shm_pool import SharedKVPool
@@ -82,16 +87,6 @@ def _die_with_parent() -> None:
         libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except OSError:
         pass
-
-
-def _sampling_from(data: dict) -> SamplingParams:
-    return SamplingParams(**data)
-
-
-def sampling_to_dict(params: SamplingParams) -> dict:
-    data = asdict(params)
-    data.pop("extra", None)
-    return data
 
 
 class Worker:
@@ -257,11 +252,15 @@ class Worker:
             self.close()
         return 0
 
-    def _handle(self, msg: m.Message) -> None:
+    def _handle(self, msg: m.Message | MalformedFrame) -> None:
         engine = self.engine
         try:
-            if isinstance(msg, m.Submit):
-                params = _sampling_from(msg.sampling)
+            if isinstance(msg, MalformedFrame):
+                if msg.kind == "Submit" and msg.kv_target:
+                    self._prefill_ids.add(msg.request_id)  # its TransferDone is due
+                self._fail_request(msg.request_id, msg.reason)
+            elif isinstance(msg, m.Submit):
+                params = msg.sampling
                 mm_inputs = None
                 if msg.images:
                     if self.images is None:
@@ -388,7 +387,7 @@ class Worker:
             self._end_reservation(request_id)
             if request_id not in self.engine.scheduler.reserved:
                 continue  # aborted meanwhile
-            self.engine.start_decode(request_id, msg.prompt_token_ids, msg.first_token_id, _sampling_from(msg.sampling))
+            self.engine.start_decode(request_id, msg.prompt_token_ids, msg.first_token_id, msg.sampling)
 
     def _send_outputs(self, outputs: list[RequestOutput]) -> None:
         """Token outputs in one message, then each request that failed in the step."""

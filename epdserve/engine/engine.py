@@ -172,11 +172,7 @@ class LLMEngine:
         child_ids: list[str] = []
         self._children[request_id] = child_ids
         try:
-            for index in range(params.n):
-                child_params = params
-                if params.n > 1 and params.seed is not None:
-                    child_params = replace(params, seed=params.seed + index)
-                child_id = request_id if params.n == 1 else f"{request_id}#{index}"
+            for index, (child_id, child_params) in enumerate(params.split(request_id)):
                 leader = child_ids[0] if child_ids else None
                 self._add_sequence(request_id, child_id, index, prompt_token_ids, child_params, leader)
                 request = self._sequences[child_id].request

@@ -149,6 +149,11 @@ def load_model_info(model: str | None) -> ModelInfo:
     return ModelInfo(blueprint.spec, tokenizer)
 
 
+def load_default_tokenizer() -> Tokenizer:
+    """The default model's tokenizer (converting its GGUF into the cache on first use)."""
+    return load_model_info(None).tokenizer
+
+
 def load_model(model: str | None, dtype: torch.dtype, device: torch.device | str = "cpu") -> LoadedModel:
     """Load ``model`` (see module docstring) with parameters of ``dtype`` on ``device``."""
     if not dtype.is_floating_point:

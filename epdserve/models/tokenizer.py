@@ -225,10 +225,3 @@ class Tokenizer:
         except (jinja2.exceptions.TemplateError, TypeError, ValueError, LookupError) as exc:
             # A template is code run on user data: any failure means the request does not fit it.
             raise InvalidRequestError(f"chat template error: {exc}") from None
-
-
-def load_default_tokenizer() -> Tokenizer:
-    """The default model's tokenizer (converting its GGUF into the cache on first use)."""
-    from epdserve.models.loader import load_model_info
-
-    return load_model_info(None).tokenizer

@@ -26,8 +26,10 @@ from pathlib import Path
 
 import numpy as np
 
+from epdserve.engine.step_shape import StepShape
 from epdserve.errors import ConfigError
-from epdserve.sim.cost_model import STEP_ROLES, CostModel, StepCost, StepShape, nnls
+from epdserve.sim.cost_model import STEP_ROLES, CostModel, StepCost
+from epdserve.sim.nnls import nnls
 
 MIN_STEPS = 10  # a role needs at least this many traced steps to be calibrated
 

@@ -14,19 +14,19 @@ counts, and the colocated-versus-split verdict for one instance budget.
    within the TTFT SLO. n_E : n_P : n_D is proportional to those instance-seconds.
 2. Search (DistServe's method): every colocated=n and prefill=p,decode=d within the budget
    (and per-role max_num_seqs choices), each at its highest rate meeting the SLO
-   (``sim.capacity``); objective: goodput per instance.
+   (``planner.capacity``); objective: goodput per instance.
 3. Verdict: best colocated against best split for the same budget, and the highest
    admissible rate of the winner (what to configure admission with).
 """
 
 from __future__ import annotations
 
-import argparse
 import math
 from dataclasses import dataclass
 
+from epdserve.engine.step_shape import StepShape
 from epdserve.errors import ConfigError
-from epdserve.sim.cost_model import EncodeCost, StepCost, StepShape
+from epdserve.sim.cost_model import EncodeCost, StepCost
 
 ROLE_ORDER = ("encode", "prefill", "decode")
 
@@ -139,14 +139,6 @@ def estimate_prefix_hit_rate(hash_ids: tuple[tuple[int, ...], ...] | None, input
                 seen.add(chain)
         num_hit += min(prefix, max(0, n - 1))
     return num_hit / num_total if num_total else 0.0
-
-
-def plan_from_args(ns: argparse.Namespace) -> dict:
-    """The plan as a JSON-ready dict (keys formula_ratio, best_split, best_colocated, verdict,
-    max_rate, and the search's bookkeeping); the work is in ``epdserve.sim.planning``."""
-    from epdserve.sim.planning import make_plan
-
-    return make_plan(ns)
 
 
 def format_plan(plan: dict) -> str:

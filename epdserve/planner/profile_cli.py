@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import argparse
 import os
-from collections.abc import Callable
 from pathlib import Path
 
+from epdserve.cli_args import add_engine_args
 from epdserve.errors import ConfigError
 
 SUMMARY_CHUNK = 512  # prefill tokens/s is reported for chunks of this many tokens at context 0
@@ -21,9 +21,7 @@ SUMMARY_DECODE = (16, 512)  # decode step time is reported for this batch size a
 BUSY_WARNING_SHARE = 0.1  # warn when other work used more CPU than this just before profiling
 
 
-def add_profile_parser(
-    subparsers: argparse._SubParsersAction, add_engine_args: Callable[[argparse.ArgumentParser], None]
-) -> argparse.ArgumentParser:
+def add_profile_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = subparsers.add_parser("profile", help="measure step times per role on this machine and fit the cost model")
     p.add_argument("--roles", default=None,
                    help="comma-separated roles: colocated, prefill, decode, encode "
@@ -88,7 +86,7 @@ def check_writable(path: str) -> None:
 
 def summary_rows(model) -> list[list[str]]:  # model: CostModel
     """Per role: threads, fit quality and the headline rates, from the fitted coefficients."""
-    from epdserve.sim.cost_model import StepShape
+    from epdserve.engine.step_shape import StepShape
 
     n = SUMMARY_CHUNK
     batch, context = SUMMARY_DECODE
@@ -124,7 +122,7 @@ def format_summary(model) -> str:  # model: CostModel
 def run_profile_command(ns: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from epdserve.cli import engine_args_from
+    from epdserve.cli_args import engine_args_from
     from epdserve.planner.profile import Profiler, ProfileTarget
     from epdserve.planner.profile_grid import FULL_GRID, QUICK_GRID
 

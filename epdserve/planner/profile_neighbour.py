@@ -35,7 +35,7 @@ def neighbour_loop(args: EngineArgs, cores: tuple[int, ...], ready: Event, stop:
 
     torch.set_num_threads(len(cores))
     from epdserve.engine.engine import LLMEngine
-    from epdserve.planner.profile import StepProbe
+    from epdserve.planner.step_probe import StepProbe
 
     engine = LLMEngine(replace(args, num_kv_blocks=256, enable_prefix_caching=False))
     probe = StepProbe(engine, seed=args.seed + 1)

@@ -25,7 +25,6 @@ import zmq
 import zmq.asyncio
 
 from epdserve.cluster import messages as m
-from epdserve.cluster.worker import sampling_to_dict
 from epdserve.errors import EpdserveError
 from epdserve.gc_heap import GCPauseObserver
 from epdserve.router.encode_stage import EncodeStage, PathImages
@@ -279,7 +278,7 @@ class Router:
                     colocated=worker.worker_id)
         refs = self.encode.place(path, worker, images) if images else []
         self._add_path(path, worker, len(prompt))
-        self._submit(worker.worker_id, m.Submit(path.path_id, prompt, sampling_to_dict(params), images=refs,
+        self._submit(worker.worker_id, m.Submit(path.path_id, prompt, params, images=refs,
                                                 mm_pipelined=self.config.encode_pipelined))
         self.encode.dispatch(path)
 
@@ -287,11 +286,7 @@ class Router:
         self, handle: RequestHandle, prompt: list[int], params: SamplingParams, images: list[ImageInput]
     ) -> None:
         paths = []
-        for index in range(params.n):
-            seq_params = params if params.n == 1 else replace(
-                params, n=1, seed=None if params.seed is None else params.seed + index
-            )
-            path_id = handle.request_id if params.n == 1 else f"{handle.request_id}#{index}"
+        for index, (path_id, seq_params) in enumerate(params.split(handle.request_id)):
             paths.append(Path(path_id, handle, index, prompt, seq_params, "pd"))
         try:
             for path in paths:
@@ -317,7 +312,7 @@ class Router:
             prefill.take(path.path_id, len(prompt))
             block_ids, generation = path.reserved.result() if path.reserved else ([], 0)
             self._submit(prefill.worker_id, m.Submit(
-                path.path_id, prompt, sampling_to_dict(path.params), kv_target=path.decode or "",
+                path.path_id, prompt, path.params, kv_target=path.decode or "",
                 kv_target_block_ids=block_ids, kv_target_generation=generation,
                 images=refs, mm_pipelined=self.config.encode_pipelined,
             ))
@@ -633,7 +628,7 @@ class Router:
         path.handle.timing.decode_start = time.time()
         assert path.first_token_id is not None
         self._post(path.decode, m.StartDecode(path.path_id, path.prompt_token_ids, path.first_token_id,
-                                              sampling_to_dict(path.params)))
+                                              path.params))
 
     def _on_transfer_timeout(self, path: Path) -> None:
         path.transfer_timer = None
@@ -655,7 +650,7 @@ class Router:
                 params = replace(params, max_tokens=params.max_tokens - 1, min_tokens=max(0, params.min_tokens - 1))
                 prompt = prompt + [path.first_token_id]
             self._post(decode.worker_id, m.Abort(path.path_id))
-            if self._post(decode.worker_id, m.Submit(path.path_id, prompt, sampling_to_dict(params))):
+            if self._post(decode.worker_id, m.Submit(path.path_id, prompt, params)):
                 return
         self._fail(path, reason)
 

@@ -11,6 +11,7 @@ import socket
 import sys
 import time
 
+from epdserve.cli_args import engine_argv
 from epdserve.envs import EPDSERVE_API_KEY, get_api_key
 from epdserve.errors import ConfigError
 from epdserve.router.workers import DEFAULT_ROUTING, ROUTING_POLICIES
@@ -82,26 +83,6 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--debug-stall-kv-transfers", action="store_true", help=argparse.SUPPRESS)
 
 
-def worker_engine_args(ns: argparse.Namespace) -> list[str]:
-    """The engine options of ``serve`` passed on to its workers."""
-    args = ["--dtype", ns.dtype, "--device", ns.device, "--block-size", str(ns.block_size),
-            "--max-num-seqs", str(ns.max_num_seqs), "--kv-cache-memory", str(ns.kv_cache_memory),
-            "--seed", str(ns.seed)]
-    if ns.model is not None:
-        args += ["--model", ns.model]
-    for flag, value in (("--max-model-len", ns.max_model_len), ("--max-num-batched-tokens", ns.max_num_batched_tokens),
-                        ("--num-kv-blocks", ns.num_kv_blocks)):
-        if value is not None:
-            args += [flag, str(value)]
-    if ns.no_prefix_caching:
-        args.append("--no-prefix-caching")
-    if ns.no_chunked_prefill:
-        args.append("--no-chunked-prefill")
-    for fault in ns.debug_fault:
-        args += ["--debug-fault", fault]
-    return args
-
-
 def plan_workers(ns: argparse.Namespace) -> list[str]:
     colocated = ns.colocated_workers
     prefill = ns.prefill_workers if ns.prefill_workers is not None else (0 if colocated else 1)
@@ -160,7 +141,12 @@ async def serve(ns: argparse.Namespace) -> int:
     import uvicorn
 
     from epdserve.cluster.local import (
-        LocalWorker, RestartPolicy, WorkerSupervisor, assign_cores, spawn_worker, stop_workers,
+        LocalWorker,
+        RestartPolicy,
+        WorkerSupervisor,
+        assign_cores,
+        spawn_worker,
+        stop_workers,
     )
     from epdserve.config import resolve_device_name
     from epdserve.gc_heap import freeze_startup_heap
@@ -196,7 +182,7 @@ async def serve(ns: argparse.Namespace) -> int:
     router = Router(config, port=ns.router_port)
     await router.start()
     started = time.monotonic()
-    extra = worker_engine_args(ns) + ["--kv-transport", ns.kv_transport]
+    extra = engine_argv(ns) + ["--kv-transport", ns.kv_transport]
     extra += ["--no-layerwise"] if ns.no_layerwise else []
     extra += ["--debug-stall-kv-transfers"] if ns.debug_stall_kv_transfers else []
     workers: list[LocalWorker] = []

@@ -1,4 +1,5 @@
-"""``epdserve simulate`` and ``epdserve plan``: argument parsing and output."""
+"""``epdserve simulate``: argument parsing and output (``epdserve plan`` shares its workload and
+cluster options: ``planner/plan_cli.py``)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from epdserve.errors import ConfigError, EpdserveError
 from epdserve.router.workers import DEFAULT_ROUTING, ROUTING_POLICIES
 
 
-def _add_workload_args(p: argparse.ArgumentParser) -> None:
+def add_workload_args(p: argparse.ArgumentParser) -> None:
     w = p.add_argument_group("workload")
     w.add_argument("--workload", nargs="+", required=True, metavar="KIND",
                    help="'random', or 'trace FILE' (Mooncake JSONL or Azure CSV)")
@@ -35,7 +36,7 @@ def _add_workload_args(p: argparse.ArgumentParser) -> None:
     w.add_argument("--seed", type=int, default=0)
 
 
-def _add_cluster_args(p: argparse.ArgumentParser) -> None:
+def add_cluster_args(p: argparse.ArgumentParser) -> None:
     c = p.add_argument_group("cluster")
     c.add_argument("--link-gbps", type=float, default=None,
                    help="each prefill / encode instance's outgoing link in Gbit/s (default: shared memory, 17.1 GB/s)")
@@ -59,8 +60,8 @@ def add_simulate_parser(subparsers: argparse._SubParsersAction) -> argparse.Argu
     p.add_argument("--profile", required=True, help="profile.json written by epdserve profile")
     p.add_argument("--topology", required=True, help="e.g. colocated=4 or encode=1,prefill=2,decode=6")
     p.add_argument("--max-num-seqs", default=None, metavar="ROLE=N,...", help="per-role override, e.g. decode=128")
-    _add_workload_args(p)
-    _add_cluster_args(p)
+    add_workload_args(p)
+    add_cluster_args(p)
     r = p.add_argument_group("report")
     r.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS", help="SLOs: ttft:MS tpot:MS e2el:MS")
     r.add_argument("--metric-percentiles", default="50,90,99")
@@ -69,28 +70,6 @@ def add_simulate_parser(subparsers: argparse._SubParsersAction) -> argparse.Argu
     r.add_argument("--out", default=None, help="write the result JSON (bench's keys) here")
     r.add_argument("--quiet", action="store_true", help="no table")
     p.set_defaults(func=run_simulate)
-    return p
-
-
-def add_plan_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("plan", help="instance ratio and colocated-vs-split verdict for a workload and SLO")
-    p.add_argument("--profile", required=True, help="profile.json written by epdserve profile")
-    p.add_argument("--slo", required=True, help="e.g. ttft_p99:2000,tpot_p99:100[,itl_p99:MS,e2el_p99:MS]")
-    p.add_argument("--instances", type=int, default=None, help="instance budget (default 8 for the search)")
-    p.add_argument("--prefix-hit-rate", type=float, default=None,
-                   help="fraction of prompt tokens served by the prefix cache (default: from the trace's hash ids)")
-    p.add_argument("--attainment", type=float, default=0.9, help="SLO attainment a rate must reach (DistServe: 0.9)")
-    p.add_argument("--search-requests", type=int, default=200, help="fewest requests in one search simulation")
-    p.add_argument("--search-max-requests", type=int, default=3000, help="most requests in one search simulation")
-    p.add_argument("--seqs-choices", default=None, metavar="N,N,...",
-                   help="max_num_seqs values tried for decode / colocated (0: the profile's; default 0,64)")
-    p.add_argument("--workers", type=int, default=None, help="processes for the search (default: CPU count)")
-    p.add_argument("--time-budget-s", type=float, default=60.0,
-                   help="simulate no new candidate after this many seconds (0: no limit)")
-    _add_workload_args(p)
-    _add_cluster_args(p)
-    p.add_argument("--out", default=None, help="write the plan JSON here")
-    p.set_defaults(func=run_plan)
     return p
 
 
@@ -163,7 +142,7 @@ def sim_config_kwargs(ns: argparse.Namespace) -> dict:
 
 
 def run_simulate(ns: argparse.Namespace) -> int:
-    from epdserve.bench.cli import parse_goodput, parse_percentiles
+    from epdserve.bench.args import parse_goodput, parse_percentiles
     from epdserve.bench.report import format_table
     from epdserve.sim.cluster import ClusterSim, SimConfig
     from epdserve.sim.cost_model import CostModel
@@ -187,21 +166,11 @@ def run_simulate(ns: argparse.Namespace) -> int:
         print(f"simulated {s['sim_end_s']:.1f} s of {s['topology']} in {s['wall_time_s']:.1f} s "
               f"({s['num_events']} events)")
     if ns.out:
-        _write_json(result, ns.out, encode=msgspec.json.encode)
+        write_json(result, ns.out, encode=msgspec.json.encode)
     return 0
 
 
-def run_plan(ns: argparse.Namespace) -> int:
-    from epdserve.planner.plan import format_plan, plan_from_args
-
-    plan = plan_from_args(ns)
-    print(format_plan(plan))
-    if ns.out:
-        _write_json(plan, ns.out)
-    return 0
-
-
-def _write_json(data: dict, path: str, encode: Callable[[dict], bytes] | None = None) -> None:
+def write_json(data: dict, path: str, encode: Callable[[dict], bytes] | None = None) -> None:
     """``encode``: e.g. msgspec's, for a simulated run's per-request arrays (about 14x faster
     than ``json``: 0.12 vs 1.69 s for 20 000 requests; it writes a non-finite float as null,
     and bench results hold none). Without it, ``json`` (a plan's unmet targets are Infinity)."""
@@ -221,7 +190,6 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="epdserve")
     sub = parser.add_subparsers(dest="command", required=True)
     add_simulate_parser(sub)
-    add_plan_parser(sub)
     ns = parser.parse_args(argv)
     try:
         return ns.func(ns)

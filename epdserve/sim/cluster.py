@@ -26,6 +26,7 @@ from __future__ import annotations
 import heapq
 from time import perf_counter
 
+from epdserve.engine.step_shape import StepShape
 from epdserve.errors import ConfigError
 from epdserve.request import EventType, MMInput, Request
 from epdserve.router.admission import Rejection, check_pending, check_worker_queue, reservation_refused
@@ -33,7 +34,7 @@ from epdserve.router.workers import WorkerRegistry
 from epdserve.sampling import SamplingParams
 from epdserve.sim import fastforward
 from epdserve.sim.config import SimConfig, SimStats
-from epdserve.sim.cost_model import CostModel, StepShape
+from epdserve.sim.cost_model import CostModel
 from epdserve.sim.instance import EncodeInstance, Link, StepInstance, role_summary
 from epdserve.sim.results import Flight, MissWatch, Recorder
 from epdserve.sim.workload import SimWorkload

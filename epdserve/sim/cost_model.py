@@ -21,14 +21,13 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
+from epdserve.engine.step_shape import StepShape
 from epdserve.errors import ConfigError
-
-if TYPE_CHECKING:
-    from epdserve.engine.scheduler import SchedulerOutput
+from epdserve.sim.nnls import nnls
 
 PROFILE_VERSION = 1
 STEP_ROLES = ("colocated", "prefill", "decode")
@@ -55,40 +54,6 @@ def _check_count(name: str, value: Any, minimum: int) -> None:
         isinstance(value, int) and not isinstance(value, bool) and value >= minimum,
         f"{name} must be an integer >= {minimum}, got {value!r}",
     )
-
-
-@dataclass(frozen=True)
-class StepShape:
-    num_prefill_tokens: int
-    prefill_attn_pairs: int  # query-key pairs of causal attention over the prefill tokens
-    num_decode_seqs: int
-    decode_context_tokens: int  # sum of the decode entries' context lengths (tokens)
-
-    @classmethod
-    def from_scheduler_output(cls, out: SchedulerOutput) -> StepShape:
-        num_prefill = attn_pairs = num_decode = context = 0
-        for entry in out.scheduled:
-            n = entry.num_new_tokens
-            start = entry.start_pos
-            if n > 1 or start < entry.request.num_prompt_tokens:
-                num_prefill += n
-                # sum over positions p = start .. start+n-1 of (p + 1)
-                attn_pairs += n * start + n * (n + 1) // 2
-            else:
-                num_decode += 1
-                context += start + 1
-        return cls(num_prefill, attn_pairs, num_decode, context)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> StepShape:
-        return cls(**{f.name: int(d.get(f.name, 0)) for f in fields(cls)})
-
-    def to_dict(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
-
-    def features(self) -> tuple[float, float, float, float, float]:
-        """The regressors of ``StepCost``, in coefficient order (1 for the base)."""
-        return (1.0, self.num_prefill_tokens, self.prefill_attn_pairs, self.num_decode_seqs, self.decode_context_tokens)
 
 
 @dataclass(frozen=True)
@@ -181,40 +146,6 @@ class StepCost:
         rel = np.abs(pred[positive] - y[positive]) / y[positive]
         mean_rel = float(rel.mean()) if rel.size else 0.0
         return cost, {"r2": r2, "mean_abs_rel_error": mean_rel, "num_samples": len(samples)}
-
-
-def nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """min ||a x - b|| subject to x >= 0 (scipy's solver when installed, else Lawson-Hanson)."""
-    try:
-        from scipy.optimize import nnls
-    except ImportError:
-        return _lawson_hanson(a, b)
-    return nnls(a, b)[0]
-
-
-def _lawson_hanson(a: np.ndarray, b: np.ndarray, max_iter: int = 500) -> np.ndarray:
-    num_vars = a.shape[1]
-    x = np.zeros(num_vars)
-    passive = np.zeros(num_vars, dtype=bool)
-    tol = 1e-12 * max(1.0, float(np.abs(a).max(initial=0.0)) * float(np.abs(b).max(initial=0.0)))
-    for _ in range(max_iter):
-        grad = a.T @ (b - a @ x)
-        candidates = ~passive & (grad > tol)
-        if not candidates.any():
-            break
-        passive[np.argmax(np.where(candidates, grad, -np.inf))] = True
-        while True:
-            z = np.zeros(num_vars)
-            z[passive] = np.linalg.lstsq(a[:, passive], b, rcond=None)[0]
-            if (z[passive] > 0).all():
-                x = z
-                break
-            blocking = passive & (z <= 0)
-            alpha = np.min(x[blocking] / (x[blocking] - z[blocking]))
-            x = x + alpha * (z - x)
-            passive &= x > tol
-            x[~passive] = 0.0
-    return np.maximum(x, 0.0)
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from epdserve.cluster.messages import KVEndpoint
+from epdserve.transfer.descriptors import KVEndpoint
 from epdserve.transfer.fence import FenceView
 from epdserve.transfer.shm_pool import SharedKVPool
 from epdserve.transfer.tcp import TcpKVSender

@@ -13,7 +13,7 @@ from multiprocessing import resource_tracker, shared_memory
 
 import torch
 
-from epdserve.cluster.messages import KVEndpoint
+from epdserve.transfer.descriptors import KVEndpoint
 
 
 def _layer_numels(num_blocks: int, block_size: int, layer_shapes: list[tuple[int, int]]) -> list[int]:

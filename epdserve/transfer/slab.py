@@ -19,7 +19,7 @@ from multiprocessing import resource_tracker, shared_memory
 
 import torch
 
-from epdserve.cluster.messages import SlabEndpoint
+from epdserve.transfer.descriptors import SlabEndpoint
 
 
 @dataclass(frozen=True)

@@ -33,9 +33,8 @@ from pathlib import Path
 import aiohttp
 import numpy as np
 
-from epdserve.bench import BenchError
 from epdserve.bench.client import ClientConfig, list_models, send_request
-from epdserve.bench.experiments.epd_report import NAME, build_report, write_plots
+from epdserve.bench.experiments.epd_report import NAME, ImageLoad, Scale, build_report, write_plots
 from epdserve.bench.experiments.launch import (
     RunningServer,
     list_workers,
@@ -55,37 +54,6 @@ IMAGES_METRIC = "epdserve_images_total"
 BREAKDOWN_KEYS = ("queue_ms", "encode_ms", "embed_transfer_ms", "prefill_overlap_ms", "prefill_ms",
                   "kv_blocking_ms", "exposed_transfer_ms", "first_token_ms", "ttft_ms")
 SEED = 0
-
-
-@dataclass(frozen=True)
-class ImageLoad:
-    """One workload: ``num_images`` distinct ``width`` x ``height`` JPEGs per request."""
-
-    name: str
-    num_images: int
-    width: int  # pixels
-    height: int
-
-    def __post_init__(self) -> None:
-        if self.num_images < 1 or min(self.width, self.height) < 1:
-            raise BenchError(f"workload {self.name!r} needs at least one image of at least 1x1 pixels")
-
-
-@dataclass(frozen=True)
-class Scale:
-    loads: tuple[ImageLoad, ...]
-    num_requests: int  # measured requests per (arm, workload)
-    num_warmup: int  # requests per (arm, workload) sent first and discarded
-    prompt_len: int  # random text tokens per request, besides the images
-    output_len: int  # max_tokens, with ignore_eos
-    max_model_len: int
-    kv_cache_gib: float
-    request_timeout_s: float
-    has_extra_arms: bool  # also epd_no_pipeline_chunk256, e_colocated and epd_batch2
-
-    def __post_init__(self) -> None:
-        if self.num_requests < 1 or self.num_warmup < 0 or self.output_len < 1:
-            raise BenchError("an epd scale needs >= 1 measured request, >= 0 warm-up and >= 1 output token")
 
 
 FULL = Scale((ImageLoad("small", 1, 256, 256), ImageLoad("multi", 8, 512, 512)), 10, 2, 32, 8, 4096, 0.5, 300.0,

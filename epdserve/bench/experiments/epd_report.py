@@ -3,13 +3,11 @@ why, and two plots (stacked TTFT decomposition, one multi-image request's timeli
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+from epdserve.bench import BenchError
 from epdserve.bench.experiments.report import ExperimentRun, markdown_table, pyplot, save_figure, verdict
-
-if TYPE_CHECKING:
-    from epdserve.bench.experiments.epd import Scale
 
 NAME = "epd"
 PIPELINE_GOAL = 0.7  # pipelined E/P/D TTFT P50 for the multi-image load at most this x unpipelined
@@ -25,6 +23,39 @@ SEED_TABLE = markdown_table(
 SEGMENTS = (("queue", "queue_ms", "tab:gray"), ("encode span", "encode_ms", "tab:orange"),
             ("prefill after last embedding", "prefill_ms", "tab:blue"),
             ("KV blocking", "kv_blocking_ms", "tab:red"), ("first token out", "first_token_ms", "tab:green"))
+
+
+
+# The run's scale, which the experiment runs (epd.py defines FULL and QUICK) and this report describes.
+@dataclass(frozen=True)
+class ImageLoad:
+    """One workload: ``num_images`` distinct ``width`` x ``height`` JPEGs per request."""
+
+    name: str
+    num_images: int
+    width: int  # pixels
+    height: int
+
+    def __post_init__(self) -> None:
+        if self.num_images < 1 or min(self.width, self.height) < 1:
+            raise BenchError(f"workload {self.name!r} needs at least one image of at least 1x1 pixels")
+
+
+@dataclass(frozen=True)
+class Scale:
+    loads: tuple[ImageLoad, ...]
+    num_requests: int  # measured requests per (arm, workload)
+    num_warmup: int  # requests per (arm, workload) sent first and discarded
+    prompt_len: int  # random text tokens per request, besides the images
+    output_len: int  # max_tokens, with ignore_eos
+    max_model_len: int
+    kv_cache_gib: float
+    request_timeout_s: float
+    has_extra_arms: bool  # also epd_no_pipeline_chunk256, e_colocated and epd_batch2
+
+    def __post_init__(self) -> None:
+        if self.num_requests < 1 or self.num_warmup < 0 or self.output_len < 1:
+            raise BenchError("an epd scale needs >= 1 measured request, >= 0 warm-up and >= 1 output token")
 
 
 def arm_names(results: dict, scale: Scale) -> list[str]:

@@ -26,28 +26,13 @@ import numpy as np
 
 from epdserve.bench.client import ClientConfig, list_models, send_request
 from epdserve.bench.experiments.decode_streams import StreamTrace, run_slot
-from epdserve.bench.experiments.interference_report import NAME, build_report, write_plots
+from epdserve.bench.experiments.interference_report import NAME, Scale, build_report, write_plots
 from epdserve.bench.experiments.launch import start_server, stop_server
 from epdserve.bench.experiments.report import begin, write_json, write_outputs
 from epdserve.bench.metrics import RequestOutput
 from epdserve.bench.workloads import load_tokenizer, random_requests
 
 STALL_FACTOR = 5.0  # a gap longer than this many times the median counts as a stall
-
-
-@dataclass(frozen=True)
-class Scale:
-    num_streams: int  # decode requests in flight at every moment
-    stream_output_len: int  # tokens per decode request; its slot then sends the next one
-    long_prompt_len: int  # tokens of each long prefill
-    long_output_len: int  # tokens generated after each long prefill
-    period_s: float  # one long prefill every period_s seconds
-    num_prefills: int
-    warmup_s: float  # streams run alone before the first long prefill
-    chunk_sizes: tuple[int, ...]  # --max-num-batched-tokens of the chunked colocated arms
-    max_model_len: int
-    kv_cache_gib: float
-    request_timeout_s: float  # a long prefill not done by then counts as an error
 
 
 FULL = Scale(8, 256, 1024, 16, 2.0, 8, 3.0, (512, 128), 4096, 1.0, 120.0)

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -14,9 +14,6 @@ from epdserve.bench.experiments.report import (
     save_figure,
     verdict,
 )
-
-if TYPE_CHECKING:
-    from epdserve.bench.experiments.interference import Scale
 
 NAME = "interference"
 PD_RATIO_GOAL = 1.3  # P/D: ITL P99/P50 at most this
@@ -31,6 +28,23 @@ SEED_TABLE = markdown_table(
         ["P/D (2P + 2D GPUs vs 2 colocated GPUs)", "1.23×", "P99 17.4 ms"],
     ],
 )
+
+
+
+# The run's scale, which the experiment runs (interference.py defines FULL and QUICK) and this report describes.
+@dataclass(frozen=True)
+class Scale:
+    num_streams: int  # decode requests in flight at every moment
+    stream_output_len: int  # tokens per decode request; its slot then sends the next one
+    long_prompt_len: int  # tokens of each long prefill
+    long_output_len: int  # tokens generated after each long prefill
+    period_s: float  # one long prefill every period_s seconds
+    num_prefills: int
+    warmup_s: float  # streams run alone before the first long prefill
+    chunk_sizes: tuple[int, ...]  # --max-num-batched-tokens of the chunked colocated arms
+    max_model_len: int
+    kv_cache_gib: float
+    request_timeout_s: float  # a long prefill not done by then counts as an error
 
 
 def goal_lines(results: dict[str, dict]) -> list[str]:

@@ -43,10 +43,9 @@ class NamespacedWorkers:
 
 def _engine_args(serve_args: list[str]) -> list[str]:
     """The engine flags ``serve`` would pass its own workers, for the same serve flags."""
-    from epdserve.cli import build_parser
-    from epdserve.router.serve import worker_engine_args
+    from epdserve.cli_args import engine_argv_of
 
-    return worker_engine_args(build_parser().parse_args(["serve", *serve_args]))
+    return engine_argv_of(serve_args)
 
 
 def _start_relay(link_ns: str, router_address: str, started: NamespacedWorkers) -> str:

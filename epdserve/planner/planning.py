@@ -8,6 +8,15 @@ import argparse
 import numpy as np
 
 from epdserve.errors import ConfigError
+from epdserve.planner.capacity import (
+    Candidate,
+    Capacity,
+    ProbeSpec,
+    max_rate,
+    normalized,
+    saturation_rate,
+    simulate_at,
+)
 from epdserve.planner.plan import (
     counts_for_budget,
     counts_for_rate,
@@ -17,19 +26,10 @@ from epdserve.planner.plan import (
     normalize_ratio,
     role_work,
 )
+from epdserve.planner.search import enumerate_candidates, search
 from epdserve.planner.slo import SLO, parse_slo
-from epdserve.sim.capacity import (
-    Candidate,
-    Capacity,
-    ProbeSpec,
-    max_rate,
-    normalized,
-    saturation_rate,
-    simulate_at,
-)
 from epdserve.sim.cli import sim_config_kwargs
 from epdserve.sim.cost_model import CostModel
-from epdserve.sim.search import enumerate_candidates, search
 from epdserve.sim.topology import Topology
 from epdserve.sim.workload import SimWorkload, poisson_arrivals, random_workload, trace_workload
 

@@ -16,10 +16,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from epdserve.engine.step_shape import StepShape
 from epdserve.planner.slo import SLO, evaluate
 from epdserve.sim.cluster import ClusterSim
 from epdserve.sim.config import SimConfig
-from epdserve.sim.cost_model import CostModel, StepShape
+from epdserve.sim.cost_model import CostModel
 from epdserve.sim.results import MissWatch
 from epdserve.sim.topology import Topology
 from epdserve.sim.workload import SimWorkload

@@ -22,8 +22,8 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import dataclass
 
+from epdserve.planner.capacity import Candidate, Capacity, ProbeSpec, max_rate
 from epdserve.planner.slo import SLO
-from epdserve.sim.capacity import Candidate, Capacity, ProbeSpec, max_rate
 from epdserve.sim.cost_model import CostModel
 from epdserve.sim.topology import Topology
 from epdserve.sim.workload import SimWorkload

@@ -1,0 +1,74 @@
+"""The engine's command-line options, shared by ``generate``, ``serve``, ``worker`` and
+``profile``: the argument group, the ``EngineArgs`` it builds, and the flags ``serve`` passes
+on to the workers it starts (the same options, back as argv)."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("engine")
+    g.add_argument("--model", default=None, help="GGUF file, Hugging Face directory, 'default' (SmolLM2-135M-Instruct) or 'gemma3'")
+    g.add_argument("--dtype", default="auto", help="auto (bfloat16 on CUDA and on CPUs with native bf16 matmuls, else float32), bfloat16, float32, float16")
+    g.add_argument("--device", default="auto", help="auto (cuda if present, else cpu), cpu, cuda, cuda:N")
+    g.add_argument("--max-model-len", type=int, default=None, help="prompt + output tokens of one request")
+    g.add_argument("--max-num-seqs", type=int, default=256, help="sequences running at once")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens computed per step")
+    g.add_argument("--no-chunked-prefill", action="store_true", help="run each prompt in one step")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    g.add_argument("--kv-cache-memory", type=float, default=2.0, help="KV cache size in GiB")
+    g.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks per group (overrides --kv-cache-memory)")
+    g.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
+    g.add_argument("--seed", type=int, default=0, help="seed of the engine's shared sampler")
+    # Fault injection for tests: KIND:SEED[:OPTION ...], repeatable (epdserve/faults.py).
+    g.add_argument("--debug-fault", action="append", default=[], help=argparse.SUPPRESS)
+
+
+def engine_args_from(ns: argparse.Namespace):  # -> EngineArgs
+    from epdserve.config import EngineArgs
+    from epdserve.faults import parse_fault
+
+    return EngineArgs(
+        model=ns.model,
+        dtype=ns.dtype,
+        device=ns.device,
+        seed=ns.seed,
+        max_model_len=ns.max_model_len,
+        max_num_seqs=ns.max_num_seqs,
+        max_num_batched_tokens=ns.max_num_batched_tokens,
+        enable_chunked_prefill=not ns.no_chunked_prefill,
+        block_size=ns.block_size,
+        kv_cache_memory_gib=ns.kv_cache_memory,
+        num_kv_blocks=ns.num_kv_blocks,
+        enable_prefix_caching=not ns.no_prefix_caching,
+        faults=tuple(parse_fault(text) for text in ns.debug_fault),
+    )
+
+
+def engine_argv(ns: argparse.Namespace) -> list[str]:
+    """The engine options in ``ns`` as flags again (what ``serve`` passes on to its workers)."""
+    args = ["--dtype", ns.dtype, "--device", ns.device, "--block-size", str(ns.block_size),
+            "--max-num-seqs", str(ns.max_num_seqs), "--kv-cache-memory", str(ns.kv_cache_memory),
+            "--seed", str(ns.seed)]
+    if ns.model is not None:
+        args += ["--model", ns.model]
+    for flag, value in (("--max-model-len", ns.max_model_len), ("--max-num-batched-tokens", ns.max_num_batched_tokens),
+                        ("--num-kv-blocks", ns.num_kv_blocks)):
+        if value is not None:
+            args += [flag, str(value)]
+    if ns.no_prefix_caching:
+        args.append("--no-prefix-caching")
+    if ns.no_chunked_prefill:
+        args.append("--no-chunked-prefill")
+    for fault in ns.debug_fault:
+        args += ["--debug-fault", fault]
+    return args
+
+
+def engine_argv_of(argv: list[str]) -> list[str]:
+    """The engine flags ``serve ARGV`` would pass its own workers (other flags are ignored)."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_engine_args(parser)
+    ns, _ = parser.parse_known_args(argv)
+    return engine_argv(ns)
