@@ -33,18 +33,36 @@ class RequestStatus(enum.Enum):
 
 
 class EventType(enum.Enum):
-    """One vocabulary of lifecycle events, shared by engine and simulator."""
+    """One vocabulary for a request's life, shared by the engine (``Request.events``), the
+    router (``messages.Timing``, whose timestamp fields are named by these values) and the
+    simulator. An event may happen more than once (a request preempted and rescheduled, images
+    encoded one by one): a Timing keeps the earliest time of the events that mark a start (the
+request's prompt is prefilled when its first sequence's is) and the latest of the others (the
+last image's embedding, the last layer of KV, the last sequence's end)."""
 
     ARRIVED = "arrived"
     ADMITTED = "admitted"
     SCHEDULED = "scheduled"
     PREEMPTED = "preempted"
-    PREFILL_START = "prefill_start"
-    PREFILL_END = "prefill_end"
     ENCODE_START = "encode_start"
     ENCODE_END = "encode_end"
+    PREFILL_START = "prefill_start"
+    PREFILL_END = "prefill_end"
+    KV_TRANSFER_START = "kv_transfer_start"
+    KV_TRANSFER_END = "kv_transfer_end"
     FIRST_TOKEN = "first_token"
+    DECODE_START = "decode_start"
     FINISHED = "finished"
+
+    @property
+    def is_first_wins(self) -> bool:
+        """A Timing keeps this event's earliest time (else its latest)."""
+        return self in _FIRST_WINS
+
+
+_FIRST_WINS = frozenset({EventType.ARRIVED, EventType.ADMITTED, EventType.ENCODE_START, EventType.PREFILL_START,
+                         EventType.PREFILL_END, EventType.KV_TRANSFER_START, EventType.FIRST_TOKEN,
+                         EventType.DECODE_START})
 
 
 @dataclass

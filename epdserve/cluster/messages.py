@@ -13,6 +13,7 @@ from typing import Union
 
 import msgspec
 
+from epdserve.request import EventType
 from epdserve.sampling import SamplingParams
 from epdserve.transfer.descriptors import KVEndpoint, SlabEndpoint
 
@@ -71,7 +72,9 @@ class TokenLogprob(msgspec.Struct, array_like=True):
 
 
 class Timing(msgspec.Struct, omit_defaults=True):
-    """Server-side timestamps of one request (seconds since the epoch; 0 = did not happen)."""
+    """Server-side timestamps of one request (seconds since the epoch; 0 = did not happen),
+    one field per ``request.EventType`` the router sees (named by its value), then durations
+    and counts."""
 
     arrived: float = 0.0
     admitted: float = 0.0
@@ -90,6 +93,22 @@ class Timing(msgspec.Struct, omit_defaults=True):
     embed_transfer_s: float = 0.0  # time spent writing embeddings into slabs (summed)
     num_images: int = 0
     num_encoder_cache_hits: int = 0
+
+    def at(self, event: EventType) -> float:
+        """When ``event`` happened (0.0: not yet)."""
+        return getattr(self, event.value)
+
+    def record(self, event: EventType, when: float) -> None:
+        """``event`` happened at ``when`` (0.0: nothing to record); see ``EventType`` for
+        which time a repeated event keeps."""
+        if not when:
+            return
+        old = getattr(self, event.value)
+        if not old or (when < old if event.is_first_wins else when > old):
+            setattr(self, event.value, when)
+
+
+TIMED_EVENTS = tuple(e for e in EventType if e.value in Timing.__struct_fields__)
 
 
 class TokenOutput(msgspec.Struct, omit_defaults=True):

@@ -26,9 +26,11 @@ from epdserve.cluster import messages as m
 from epdserve.errors import EpdserveError
 from epdserve.models.multimodal import MultimodalSpec
 from epdserve.models.tokenizer import Tokenizer
-from epdserve.router.core import Overloaded, RequestHandle, Router
+from epdserve.router.admission import Overloaded
+from epdserve.router.core import Router
 from epdserve.router.guards import DEFAULT_MAX_REQUEST_BYTES, ApiKeyAuth, BodySizeLimit
 from epdserve.router.images import ImageInput, ImageLimits, build_chat_prompt
+from epdserve.router.path import RequestHandle
 from epdserve.router.protocol import (
     ERROR_TYPES,
     ChatCompletionRequest,
@@ -117,7 +119,7 @@ def create_app(router: Router, served: ServedModel, api_key: str | None = None, 
     @app.get("/v1/workers")
     async def workers() -> dict:
         return {"object": "list", "mode": router.mode(),
-                "data": [w.as_json() | router.encode.worker_json(w.worker_id) for w in router.registry.workers.values()]}
+                "data": router.workers_json()}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:

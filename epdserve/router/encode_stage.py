@@ -21,38 +21,44 @@ files inline and encodes them itself.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from epdserve.cluster import messages as m
-from epdserve.router.workers import WorkerState
-from epdserve.transfer.slab import SlabAllocator, SlabRegion
+from epdserve.request import EventType
+from epdserve.router import admission
+from epdserve.router.admission import Overloaded
+from epdserve.router.path import Path, PathImages
+from epdserve.router.workers import WorkerRegistry, WorkerState
+from epdserve.transfer.slab import SlabAllocator
 
 if TYPE_CHECKING:
-    from epdserve.router.core import Path, Router
+    from epdserve.self.metrics import RouterMetrics
+
+    from epdserve.router.channel import WorkerChannel
     from epdserve.router.images import ImageInput
     from epdserve.router.workers import WorkerInfo
 
-NOTHING_MORE_LANDS = -1  # EmbeddingLanded.image_index: the consumer dropped the request
 AFFINITY_SLACK = 2  # jobs an encoder may have beyond the least loaded and still get its images
+NOTHING_MORE_LANDS = -1  # EmbeddingLanded.image_index: the consumer dropped the request
 
 
-@dataclass
-class PathImages:
-    """A path's images and the slab space they hold on its consumer."""
+class PathOwner(Protocol):
+    """What the encode stage needs of the request flow (flow.py)."""
 
-    images: list[ImageInput]
-    consumer: str
-    regions: list[SlabRegion] = field(default_factory=list)
-    pending_jobs: dict[int, str] = field(default_factory=dict)  # image index -> encode worker
-    sent_indices: set[int] = field(default_factory=set)  # TCP: sent by the encoder, not yet landed
-    is_consumer_done: bool = False
-    is_consumer_closed: bool = False  # TCP: the consumer confirmed that nothing more lands
+    paths: dict[str, Path]
+
+    def fail(self, path: Path, message: str) -> None: ...
+
+    def forget_if_idle(self, path: Path) -> None: ...
 
 
 class EncodeStage:
-    def __init__(self, router: Router, pipelined: bool = True) -> None:
-        self.router = router
+    def __init__(self, owner: PathOwner, channel: WorkerChannel, registry: WorkerRegistry, metrics: RouterMetrics,
+                 pipelined: bool = True) -> None:
+        self.owner = owner
+        self.channel = channel
+        self.registry = registry
+        self.metrics = metrics
         self.pipelined = pipelined
         self.allocators: dict[str, SlabAllocator] = {}  # consumer worker id -> its slab's rows
         self.slabs: dict[str, m.SlabEndpoint] = {}
@@ -62,48 +68,46 @@ class EncodeStage:
 
     # -- workers -------------------------------------------------------------------------
     def on_register(self, msg: m.Register) -> None:
-        router = self.router
         if msg.slab is not None:
             self.allocators[msg.worker_id] = SlabAllocator(msg.slab.num_rows)
             self.slabs[msg.worker_id] = msg.slab
-            router.metrics.slab_rows_free.labels(msg.worker_id).set(msg.slab.num_rows)
-            for encoder in router.registry.ready("encode"):
-                router._post(encoder.worker_id, m.SlabUp(msg.worker_id, msg.slab))
+            self.metrics.slab_rows_free.labels(msg.worker_id).set(msg.slab.num_rows)
+            for encoder in self.registry.ready("encode"):
+                self.channel.post(encoder.worker_id, m.SlabUp(msg.worker_id, msg.slab))
         if msg.role == "encode":
             self._release_quarantine(msg.worker_id)  # back and reconciled, or a new process
             self.jobs_per_encoder[msg.worker_id] = set()
             for worker_id, slab in self.slabs.items():
-                if router._is_ready(worker_id):
-                    router._post(msg.worker_id, m.SlabUp(worker_id, slab))
+                if self.registry.is_ready(worker_id):
+                    self.channel.post(msg.worker_id, m.SlabUp(worker_id, slab))
 
     def on_worker_dead(self, worker: WorkerInfo) -> None:
         """``worker`` left READY (for SUSPECT or DEAD): its requests fail."""
         if worker.role == "encode":
-            router = self.router
             jobs = self.jobs_per_encoder.pop(worker.worker_id, set())
             is_suspect = worker.state is WorkerState.SUSPECT
             if is_suspect:
                 self.quarantined[worker.worker_id] = jobs
             for path_id, index in jobs:
-                path = router.paths.get(path_id)
+                path = self.owner.paths.get(path_id)
                 if path is None or path.mm is None:
                     continue
                 if not is_suspect:
                     path.mm.pending_jobs.pop(index, None)  # a dead encoder writes nothing more
                 if not path.done:
-                    router._fail(path, f"encode worker {worker.worker_id} failed while serving this request")
+                    self.owner.fail(path, f"encode worker {worker.worker_id} failed while serving this request")
                 self.maybe_free(path)
             return
         if worker.worker_id in self.allocators:  # its slab went with it
             del self.allocators[worker.worker_id]
             self.slabs.pop(worker.worker_id, None)
-            for path in list(self.router.paths.values()):
+            for path in list(self.owner.paths.values()):
                 if path.mm is not None and path.mm.consumer == worker.worker_id:
                     path.mm.pending_jobs.clear()  # nothing will land; late writes hit a dead slab
                     path.mm.regions = []
-                    self.router.forget_if_idle(path)
-            for encoder in self.router.registry.ready("encode"):
-                self.router._post(encoder.worker_id, m.PeerDown(worker.worker_id))
+                    self.owner.forget_if_idle(path)
+            for encoder in self.registry.ready("encode"):
+                self.channel.post(encoder.worker_id, m.PeerDown(worker.worker_id))
 
     def on_worker_gone(self, worker: WorkerInfo) -> None:
         """A suspected worker's process exited: it writes nothing more."""
@@ -112,7 +116,7 @@ class EncodeStage:
 
     def _release_quarantine(self, encoder: str) -> None:
         for path_id, index in self.quarantined.pop(encoder, set()):
-            path = self.router.paths.get(path_id)
+            path = self.owner.paths.get(path_id)
             if path is None or path.mm is None or path.mm.pending_jobs.get(index) != encoder:
                 continue
             del path.mm.pending_jobs[index]
@@ -120,14 +124,12 @@ class EncodeStage:
             self.maybe_free(path)
 
     def has_encoders(self) -> bool:
-        return bool(self.router.registry.ready("encode"))
+        return bool(self.registry.ready("encode"))
 
     # -- admission -----------------------------------------------------------------------
     def place(self, path: Path, consumer: WorkerInfo, images: list[ImageInput]) -> list[m.ImageRef]:
         """The image refs for ``consumer``'s Submit; raises Overloaded when there is no room
         (slab full) or nobody can encode."""
-        from epdserve.router.core import Overloaded
-
         allocator = self.allocators.get(consumer.worker_id)
         if self.has_encoders() and allocator is not None:
             regions = []
@@ -136,8 +138,7 @@ class EncodeStage:
                 if region is None:
                     for r in regions:
                         allocator.free(r)
-                    self.router.metrics.rejected.labels("embedding_slab_full").inc()
-                    raise Overloaded(f"embedding slab of {consumer.worker_id} is full", 503, retry_after=1)
+                    raise Overloaded(admission.slab_full(consumer.worker_id))
                 regions.append(region)
             path.mm = PathImages(images, consumer.worker_id, regions)
             self._observe_slab(consumer.worker_id)
@@ -151,8 +152,7 @@ class EncodeStage:
                 m.ImageRef(im.span.offset, im.span.length, im.span.num_embeds, im.content_hash, data=im.data)
                 for im in images
             ]
-        self.router.metrics.rejected.labels("no_encoder").inc()
-        raise Overloaded("no encode workers are available", 503, retry_after=5)
+        raise Overloaded(admission.no_encoder())
 
     def dispatch(self, path: Path) -> None:
         """Send the encode jobs of a submitted path (slab mode)."""
@@ -163,12 +163,12 @@ class EncodeStage:
             encoder = self._pick_encoder(image.content_hash)
             mm.pending_jobs[index] = encoder
             self.jobs_per_encoder[encoder].add((path.path_id, index))
-            self.router._post(encoder, m.EncodeImage(
+            self.channel.post(encoder, m.EncodeImage(
                 path.path_id, index, image.content_hash, image.data, mm.consumer, region.offset, region.num_rows,
             ))
 
     def _pick_encoder(self, content_hash: str) -> str:
-        encoders = sorted(w.worker_id for w in self.router.registry.ready("encode"))
+        encoders = sorted(w.worker_id for w in self.registry.ready("encode"))
         loads = {e: len(self.jobs_per_encoder.setdefault(e, set())) for e in encoders}
         affine = encoders[int(content_hash[:8], 16) % len(encoders)]
         least = min(encoders, key=lambda e: loads[e])
@@ -176,10 +176,9 @@ class EncodeStage:
 
     # -- progress ------------------------------------------------------------------------
     def on_encode_done(self, sender: str, msg: m.EncodeDone) -> None:
-        router = self.router
         self.jobs_per_encoder.get(sender, set()).discard((msg.request_id, msg.image_index))
         self.quarantined.get(sender, set()).discard((msg.request_id, msg.image_index))
-        path = router.paths.get(msg.request_id)
+        path = self.owner.paths.get(msg.request_id)
         if path is None or path.mm is None or msg.image_index not in path.mm.pending_jobs:
             return
         is_tcp = self._transport(path.mm.consumer) == "tcp"
@@ -191,23 +190,23 @@ class EncodeStage:
             del path.mm.pending_jobs[msg.image_index]
         timing = path.handle.timing
         if msg.ok:
-            timing.encode_start = min(timing.encode_start or msg.encode_start, msg.encode_start)
-            timing.encode_end = max(timing.encode_end, time.time())
+            timing.record(EventType.ENCODE_START, msg.encode_start)
+            timing.record(EventType.ENCODE_END, time.time())
             timing.embed_transfer_s += msg.write_s
             timing.num_encoder_cache_hits += int(msg.is_cache_hit)
-            router.metrics.embedding_bytes.inc(msg.num_bytes)
-            router.metrics.encode_time.observe(max(0.0, msg.encode_end - msg.encode_start))
-            router.metrics.encoder_cache_hits.inc(int(msg.is_cache_hit))
+            self.metrics.embedding_bytes.inc(msg.num_bytes)
+            self.metrics.encode_time.observe(max(0.0, msg.encode_end - msg.encode_start))
+            self.metrics.encoder_cache_hits.inc(int(msg.is_cache_hit))
             if not path.done and not is_tcp:
-                router._post(path.mm.consumer, m.EmbeddingReady(path.path_id, msg.image_index))
+                self.channel.post(path.mm.consumer, m.EmbeddingReady(path.path_id, msg.image_index))
         elif not path.done:
-            router._fail(path, f"image {msg.image_index} could not be encoded: {msg.reason}")
+            self.owner.fail(path, f"image {msg.image_index} could not be encoded: {msg.reason}")
         self.maybe_free(path)
 
     def on_embedding_landed(self, msg: m.EmbeddingLanded) -> None:
         """An image landed in a TCP slab; index -1: the consumer dropped the request and lands
         nothing more of it."""
-        path = self.router.paths.get(msg.request_id)
+        path = self.owner.paths.get(msg.request_id)
         if path is None or path.mm is None:
             return
         mm = path.mm
@@ -234,7 +233,7 @@ class EncodeStage:
         if path.mm is None:
             return
         for encoder in set(path.mm.pending_jobs.values()):
-            self.router._post(encoder, m.Abort(path.path_id))
+            self.channel.post(encoder, m.Abort(path.path_id))
 
     def maybe_free(self, path: Path) -> None:
         mm = path.mm
@@ -246,7 +245,7 @@ class EncodeStage:
                 allocator.free(region)
             self._observe_slab(mm.consumer)
         mm.regions = []
-        self.router.forget_if_idle(path)
+        self.owner.forget_if_idle(path)
 
     def is_holding(self, path: Path) -> bool:
         """Whether the path still holds slab space or waits for encoders."""
@@ -262,4 +261,4 @@ class EncodeStage:
     def _observe_slab(self, worker_id: str) -> None:
         allocator = self.allocators.get(worker_id)
         if allocator is not None:
-            self.router.metrics.slab_rows_free.labels(worker_id).set(allocator.num_free_rows)
+            self.metrics.slab_rows_free.labels(worker_id).set(allocator.num_free_rows)

@@ -153,7 +153,8 @@ async def serve(ns: argparse.Namespace) -> int:
     from epdserve.models.loader import load_model_info
     from epdserve.models.multimodal import RANDOM_VISION_NOTICE, load_multimodal_spec
     from epdserve.router.api import ServedModel, create_app
-    from epdserve.router.core import Router, RouterConfig
+    from epdserve.router.config import RouterConfig
+    from epdserve.router.core import Router
     from epdserve.router.images import ImageLimits
 
     roles = plan_workers(ns)

@@ -27,16 +27,10 @@ class WorkerState(str, Enum):
 
 @dataclass
 class WorkerInfo:
-    worker_id: str
-    role: str
-    pid: int
-    host: str
-    model_name: str
-    max_model_len: int
-    num_kv_blocks: int
-    block_size: int
-    endpoint: m.KVEndpoint | None
-    can_encode: bool = False  # consumer with an in-process vision encoder
+    """A worker as the router knows it: what it registered (``registration``, as sent) and the
+    router's own state of it."""
+
+    registration: m.Register
     state: WorkerState = WorkerState.READY
     load: m.Load = field(default_factory=lambda: m.Load(0, 0, 0, 0))
     last_seen: float = field(default_factory=time.monotonic)  # seconds, monotonic
@@ -46,6 +40,23 @@ class WorkerInfo:
     prefill_tokens: dict[str, int] = field(default_factory=dict)
     num_prefill_tokens: int = 0  # their sum
     last_reconcile: float = 0.0  # monotonic seconds: when a Reconcile was last sent (SUSPECT)
+    # Read on every routing decision (a simulated cluster of a hundred instances makes millions):
+    # plain attributes, copied from the registration.
+    worker_id: str = field(init=False)
+    role: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.worker_id = self.registration.worker_id
+        self.role = self.registration.role
+
+    @property
+    def endpoint(self) -> m.KVEndpoint | None:
+        return self.registration.kv_endpoint
+
+    @property
+    def can_encode(self) -> bool:
+        """A consumer with an in-process vision encoder (takes images inline)."""
+        return self.registration.can_encode
 
     def take(self, request_id: str, num_prompt_tokens: int = 0) -> None:
         """A request sent to this worker; ``num_prompt_tokens`` > 0 when it prefills here."""
@@ -72,8 +83,8 @@ class WorkerInfo:
         return {
             "id": self.worker_id,
             "role": self.role,
-            "pid": self.pid,
-            "host": self.host,
+            "pid": self.registration.pid,
+            "host": self.registration.host,
             "state": self.state.value,
             "load": {
                 "num_requests": len(self.request_ids),
@@ -107,6 +118,10 @@ class WorkerRegistry:
 
     def get(self, worker_id: str) -> WorkerInfo | None:
         return self.workers.get(worker_id)
+
+    def is_ready(self, worker_id: str) -> bool:
+        worker = self.workers.get(worker_id)
+        return worker is not None and worker.is_ready
 
     def ready(self, role: str) -> list[WorkerInfo]:
         return [w for w in self.workers.values() if w.role == role and w.is_ready]

@@ -97,9 +97,9 @@ class StepInstance:
         self.neighbour_step: StepCost | None = profile.neighbour_step
         self.neighbours: list = []  # the other instances on its host (set by the cluster)
         self.link = link  # prefill: where its KV leaves
-        self.worker = WorkerInfo(worker_id, self.role, pid=0, host="sim", model_name=model_name,
-                                 max_model_len=max_model_len, num_kv_blocks=profile.num_kv_blocks,
-                                 block_size=block_size, endpoint=None)
+        self.worker = WorkerInfo(m.Register(worker_id, self.role, pid=0, host="sim", model_name=model_name,
+                                            max_model_len=max_model_len, num_kv_blocks=profile.num_kv_blocks,
+                                            block_size=block_size))
         self.worker.load = self.load()
         self.is_busy = False
         self.busy_until = 0.0  # when the step (or stretch step) in flight ends
@@ -126,8 +126,8 @@ class EncodeInstance:
         self.link = link
         self.queue: deque = deque()
         self.batch: list = []
-        self.worker = WorkerInfo(worker_id, "encode", pid=0, host="sim", model_name=model_name,
-                                 max_model_len=0, num_kv_blocks=0, block_size=0, endpoint=None)
+        self.worker = WorkerInfo(m.Register(worker_id, "encode", pid=0, host="sim", model_name=model_name,
+                                            max_model_len=0, num_kv_blocks=0, block_size=0))
         self.neighbour_step = None  # encoder steps are not calibrated
         self.neighbours: list = []  # the other instances on its host (set by the cluster)
         self.is_busy = False

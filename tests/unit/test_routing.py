@@ -11,7 +11,7 @@ from epdserve.router.workers import WorkerInfo, WorkerRegistry
 
 
 def worker(worker_id: str, free_blocks: int = 100) -> WorkerInfo:
-    info = WorkerInfo(worker_id, "colocated", 0, "localhost", "m", 1024, 128, 16, None)
+    info = WorkerInfo(m.Register(worker_id, "colocated", 0, "localhost", "m", 1024, 128, 16))
     info.load = m.Load(0, 0, free_blocks, 0)
     return info
 

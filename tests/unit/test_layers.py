@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parents[1] / "epdserve"
+PACKAGE = Path(__file__).resolve().parents[2] / "epdserve"
 LAYERS: list[tuple[str, ...]] = [
     ("cli",),
     ("planner",),

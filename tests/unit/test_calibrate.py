@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_sim import profile_dict
+from sim_profiles import profile_dict
 
 from epdserve.cli import main
 from epdserve.engine.step_shape import StepShape

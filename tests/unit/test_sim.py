@@ -9,6 +9,7 @@ import json
 
 import numpy as np
 import pytest
+from sim_profiles import STEP, profile_dict
 
 from epdserve.bench.metrics import RequestOutput, compute_metrics
 from epdserve.bench.report import RunInfo, build_result
@@ -22,18 +23,6 @@ from epdserve.sim.instance import Link
 from epdserve.sim.results import build_sim_result
 from epdserve.sim.topology import Topology, parse_topology
 from epdserve.sim.workload import SimWorkload, random_workload, trace_workload
-
-STEP = {"base_s": 0.01, "per_prefill_token_s": 1e-3, "per_prefill_attn_pair_s": 0.0,
-        "per_decode_seq_s": 2e-3, "per_decode_context_token_s": 0.0}
-
-
-def profile_dict(step=None, num_kv_blocks=1000, max_num_seqs=64, budget=2048, kv_bytes=1000, num_layers=4):
-    role = {"num_threads": 1, "num_kv_blocks": num_kv_blocks, "max_num_seqs": max_num_seqs,
-            "max_num_batched_tokens": budget, "step": dict(step or STEP)}
-    return {"version": 1, "model": "synthetic", "dtype": "bfloat16", "block_size": 16,
-            "kv_bytes_per_token": kv_bytes, "embed_bytes_per_token": 1000, "num_layers": num_layers,
-            "roles": {"colocated": dict(role), "prefill": dict(role), "decode": dict(role),
-                      "encode": {"num_threads": 1, "tokens_per_tile": 16, "image": {"base_s": 0.002, "per_tile_s": 0.05}}}}
 
 
 def fixed_workload(arrivals, input_lens, output_lens, hash_ids=None, **kw):

@@ -1,0 +1,34 @@
+"""The router's options (``epdserve serve`` sets them from its flags)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from epdserve.errors import EpdserveError
+from epdserve.router.admission import DEFAULT_MAX_PENDING, DEFAULT_MAX_WAITING_PER_WORKER
+from epdserve.router.workers import DEFAULT_ROUTING
+
+TRANSFER_POLICIES = ("fail", "recompute")
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    # Liveness lease: a worker whose heartbeats stop this long is suspected, its requests fail.
+    heartbeat_timeout_s: float = 1.0
+    # Progress watchdog: a worker whose loop has been in one step this long (its heartbeats say)
+    # is treated like a dead one; either way it serves again once it reconciles.
+    step_timeout_s: float = 60.0
+    first_token_timeout_s: float = 120.0  # admitted -> first token; then the request fails (0: none)
+    reserve_timeout_s: float = 5.0
+    transfer_timeout_s: float = 30.0  # first token out -> KV landed; then the policy applies
+    transfer_policy: str = "fail"  # "fail" | "recompute" (decode worker computes the prompt)
+    max_pending: int = DEFAULT_MAX_PENDING  # requests in the router at once; beyond: 429
+    max_waiting_per_worker: int = DEFAULT_MAX_WAITING_PER_WORKER  # queued at one worker; beyond: 429
+    encode_pipelined: bool = True  # prefill may start before all of a request's images are encoded
+    routing: str = DEFAULT_ROUTING  # WorkerRegistry.pick's policy (checked there)
+
+    def __post_init__(self) -> None:
+        if self.transfer_policy not in TRANSFER_POLICIES:
+            raise EpdserveError(f"transfer policy must be fail or recompute, got {self.transfer_policy!r}")
+        if self.heartbeat_timeout_s <= 0 or self.step_timeout_s <= 0 or self.first_token_timeout_s < 0:
+            raise EpdserveError("the worker lease and step timeout must be positive, the first-token timeout >= 0")

@@ -1,0 +1,117 @@
+"""What the router holds for a request: its handle (what the client reads) and one path per
+output sequence (the sequence's way through the workers). Plain data; flow.py changes it.
+
+A path's phases (``Phase``)::
+
+    colocated   RUNNING (on its colocated worker, first to last token)
+
+    P/D         NEW ─▶ RESERVING ──Reserved──▶ PREFILLING ──first token──▶ TRANSFERRING ──TransferDone──▶ DECODING
+                       (decode worker           (prefill worker            (KV still landing;             (decode worker
+                        holds blocks)            computes, pushes KV)       first token already out)       streams the rest)
+                                                                 └─ the first token is the last ─▶ DRAINING (blocks go
+                                                                                                    when the transfer ends)
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from enum import Enum
+
+from epdserve.cluster import messages as m
+from epdserve.request import EventType
+from epdserve.router.images import ImageInput
+from epdserve.sampling import SamplingParams
+from epdserve.transfer.slab import SlabRegion
+
+
+class Mode(str, Enum):
+    """How the ready workers serve a request."""
+
+    COLOCATED = "colocated"  # one worker runs it to completion
+    PD = "pd"  # a prefill worker, then a decode worker
+
+
+class Phase(str, Enum):
+    NEW = "new"
+    RUNNING = "running"
+    RESERVING = "reserving"
+    PREFILLING = "prefilling"
+    TRANSFERRING = "transferring"
+    DECODING = "decoding"
+    DRAINING = "draining"
+
+
+@dataclass
+class StreamEvent:
+    output: m.TokenOutput | None = None
+    error: str | None = None
+
+
+@dataclass
+class RequestHandle:
+    request_id: str
+    n: int
+    num_prompt_tokens: int
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    timing: m.Timing = field(default_factory=m.Timing)
+    paths: list[Path] = field(default_factory=list)
+    num_finished: int = 0  # finished sequences the consumer of ``events`` has seen
+    num_finished_outputs: int = 0  # finished sequences the router has seen
+    last_token_time: float = 0.0
+    first_token_timer: asyncio.TimerHandle | None = None
+
+    async def events(self) -> AsyncIterator[StreamEvent]:
+        while self.num_finished < self.n:
+            event: StreamEvent = await self.queue.get()
+            if event.error is not None:
+                yield event
+                return
+            if event.output is not None and event.output.finished:
+                self.num_finished += 1
+            yield event
+
+    @property
+    def has_first_token(self) -> bool:
+        return self.timing.at(EventType.FIRST_TOKEN) > 0.0
+
+
+@dataclass
+class PathImages:
+    """A path's images and the slab space they hold on its consumer."""
+
+    images: list[ImageInput]
+    consumer: str
+    regions: list[SlabRegion] = field(default_factory=list)
+    pending_jobs: dict[int, str] = field(default_factory=dict)  # image index -> encode worker
+    sent_indices: set[int] = field(default_factory=set)  # TCP: sent by the encoder, not yet landed
+    is_consumer_done: bool = False
+    is_consumer_closed: bool = False  # TCP: the consumer confirmed that nothing more lands
+
+
+@dataclass
+class Path:
+    """One sequence's way through the workers (the worker-side request id is ``path_id``)."""
+
+    path_id: str
+    handle: RequestHandle
+    index: int | None  # P/D: the sequence index; colocated: the worker reports indices
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    mode: Mode
+    phase: Phase = Phase.NEW
+    colocated: str | None = None
+    prefill: str | None = None
+    decode: str | None = None
+    reserved: asyncio.Future | None = None  # P/D: the decode worker's answer to Reserve
+    first_token_id: int | None = None
+    continues: bool = False  # the prefill's first token is not the last one
+    transfer_done: bool = False
+    transfer_timer: asyncio.TimerHandle | None = None
+    done: bool = False
+    mm: PathImages | None = None  # images: slab space and encode jobs
+
+    @property
+    def workers(self) -> tuple[str | None, str | None, str | None]:
+        return self.colocated, self.prefill, self.decode
