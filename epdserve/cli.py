@@ -23,7 +23,7 @@ def _generate(ns: argparse.Namespace) -> int:
 
     from epdserve.engine.engine import LLMEngine
     from epdserve.errors import InvalidRequestError
-    from epdserve.router.validate import (
+    from epdserve.validate import (
         RequestLimits,
         SamplingFields,
         check_prompt_ids,

@@ -14,6 +14,7 @@ from typing import Union
 import msgspec
 
 from epdserve.request import EventType
+from epdserve.roles import Role
 from epdserve.sampling import SamplingParams
 from epdserve.transfer.descriptors import KVEndpoint, SlabEndpoint
 
@@ -28,7 +29,7 @@ class Msg(msgspec.Struct, tag=True, omit_defaults=True):
 
 class Register(Msg):
     worker_id: str
-    role: str  # "colocated" | "prefill" | "decode" | "encode"
+    role: Role
     pid: int
     host: str
     model_name: str

@@ -39,7 +39,8 @@ from epdserve.router.protocol import (
     error_response,
 )
 from epdserve.router.timing import timing_json
-from epdserve.router.validate import (
+from epdserve.sampling import SamplingParams
+from epdserve.validate import (
     InvalidFieldError,
     RequestLimits,
     check_logprobs,
@@ -51,7 +52,6 @@ from epdserve.router.validate import (
     longest_token_chars,
     sampling_params,
 )
-from epdserve.sampling import SamplingParams
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from epdserve.cluster import messages as m
 from epdserve.gc_heap import GCPauseObserver
 from epdserve.request import EventType
+from epdserve.roles import Role
 from epdserve.router import admission
 from epdserve.router.admission import Overloaded
 from epdserve.router.channel import WorkerChannel
@@ -96,9 +97,9 @@ class Router:
         """How a request admitted now would run: P/D when prefill and decode workers are ready,
         else colocated when one is; None when nothing can serve."""
         counts = self.registry.count_ready()
-        if counts.get("prefill") and counts.get("decode"):
+        if counts.get(Role.PREFILL) and counts.get(Role.DECODE):
             return Mode.PD
-        if counts.get("colocated"):
+        if counts.get(Role.COLOCATED):
             return Mode.COLOCATED
         return None
 

@@ -20,6 +20,7 @@ import os
 import time
 
 from epdserve.cluster import messages as m
+from epdserve.roles import Role
 from epdserve.router.channel import WorkerChannel
 from epdserve.router.config import RouterConfig
 from epdserve.router.flow import RequestFlow
@@ -75,11 +76,11 @@ class Dispatcher:
         self.registry.add(WorkerInfo(msg))
         self.encode.on_register(msg)
         self.metrics.worker_up.labels(msg.worker_id, msg.role).set(1)
-        if msg.role == "decode" and msg.kv_endpoint is not None:
-            for prefill in self.registry.ready("prefill"):
+        if msg.role == Role.DECODE and msg.kv_endpoint is not None:
+            for prefill in self.registry.ready(Role.PREFILL):
                 self.channel.post(prefill.worker_id, m.PeerUp(msg.worker_id, msg.kv_endpoint))
-        if msg.role == "prefill":
-            for decode in self.registry.ready("decode"):
+        if msg.role == Role.PREFILL:
+            for decode in self.registry.ready(Role.DECODE):
                 if decode.endpoint is not None:
                     self.channel.post(msg.worker_id, m.PeerUp(decode.worker_id, decode.endpoint))
         log.info("worker %s (%s, pid %d) registered", msg.worker_id, msg.role, msg.pid)
@@ -141,8 +142,8 @@ class Dispatcher:
         worker.last_reconcile = 0.0
         self.metrics.worker_up.labels(worker_id, worker.role).set(0)
         log.warning("worker %s (%s) is %s: %s", worker_id, worker.role, state.value, reason)
-        if worker.role == "decode":
-            for prefill in self.registry.ready("prefill"):
+        if worker.role == Role.DECODE:
+            for prefill in self.registry.ready(Role.PREFILL):
                 self.channel.post(prefill.worker_id, m.PeerDown(worker_id))
         self.flow.on_worker_lost(worker, reason)
         self.encode.on_worker_dead(worker)

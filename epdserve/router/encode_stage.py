@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from epdserve.cluster import messages as m
 from epdserve.request import EventType
+from epdserve.roles import Role
 from epdserve.router import admission
 from epdserve.router.admission import Overloaded
 from epdserve.router.path import Path, PathImages
@@ -72,9 +73,9 @@ class EncodeStage:
             self.allocators[msg.worker_id] = SlabAllocator(msg.slab.num_rows)
             self.slabs[msg.worker_id] = msg.slab
             self.metrics.slab_rows_free.labels(msg.worker_id).set(msg.slab.num_rows)
-            for encoder in self.registry.ready("encode"):
+            for encoder in self.registry.ready(Role.ENCODE):
                 self.channel.post(encoder.worker_id, m.SlabUp(msg.worker_id, msg.slab))
-        if msg.role == "encode":
+        if msg.role == Role.ENCODE:
             self._release_quarantine(msg.worker_id)  # back and reconciled, or a new process
             self.jobs_per_encoder[msg.worker_id] = set()
             for worker_id, slab in self.slabs.items():
@@ -83,7 +84,7 @@ class EncodeStage:
 
     def on_worker_dead(self, worker: WorkerInfo) -> None:
         """``worker`` left READY (for SUSPECT or DEAD): its requests fail."""
-        if worker.role == "encode":
+        if worker.role == Role.ENCODE:
             jobs = self.jobs_per_encoder.pop(worker.worker_id, set())
             is_suspect = worker.state is WorkerState.SUSPECT
             if is_suspect:
@@ -106,12 +107,12 @@ class EncodeStage:
                     path.mm.pending_jobs.clear()  # nothing will land; late writes hit a dead slab
                     path.mm.regions = []
                     self.owner.forget_if_idle(path)
-            for encoder in self.registry.ready("encode"):
+            for encoder in self.registry.ready(Role.ENCODE):
                 self.channel.post(encoder.worker_id, m.PeerDown(worker.worker_id))
 
     def on_worker_gone(self, worker: WorkerInfo) -> None:
         """A suspected worker's process exited: it writes nothing more."""
-        if worker.role == "encode":
+        if worker.role == Role.ENCODE:
             self._release_quarantine(worker.worker_id)
 
     def _release_quarantine(self, encoder: str) -> None:
@@ -124,7 +125,7 @@ class EncodeStage:
             self.maybe_free(path)
 
     def has_encoders(self) -> bool:
-        return bool(self.registry.ready("encode"))
+        return bool(self.registry.ready(Role.ENCODE))
 
     # -- admission -----------------------------------------------------------------------
     def place(self, path: Path, consumer: WorkerInfo, images: list[ImageInput]) -> list[m.ImageRef]:
@@ -168,7 +169,7 @@ class EncodeStage:
             ))
 
     def _pick_encoder(self, content_hash: str) -> str:
-        encoders = sorted(w.worker_id for w in self.registry.ready("encode"))
+        encoders = sorted(w.worker_id for w in self.registry.ready(Role.ENCODE))
         loads = {e: len(self.jobs_per_encoder.setdefault(e, set())) for e in encoders}
         affine = encoders[int(content_hash[:8], 16) % len(encoders)]
         least = min(encoders, key=lambda e: loads[e])

@@ -28,6 +28,7 @@ import msgspec
 
 from epdserve.cluster import messages as m
 from epdserve.request import EventType
+from epdserve.roles import Role
 from epdserve.router import admission
 from epdserve.router.admission import Overloaded
 from epdserve.router.channel import WorkerChannel
@@ -60,7 +61,7 @@ class RequestFlow:
     # -- starting ------------------------------------------------------------------------
     def start_colocated(self, handle: RequestHandle, prompt: list[int], params: SamplingParams,
                         images: list[ImageInput]) -> None:
-        worker = self._pick_for_queue("colocated")
+        worker = self._pick_for_queue(Role.COLOCATED)
         path = Path(handle.request_id, handle, None, prompt, params, Mode.COLOCATED, Phase.RUNNING,
                     colocated=worker.worker_id)
         refs = self.encode.place(path, worker, images) if images else []
@@ -78,9 +79,9 @@ class RequestFlow:
         for path in paths:
             await self._reserve(path)
         for path in paths:
-            prefill = self.registry.pick("prefill")
+            prefill = self.registry.pick(Role.PREFILL)
             if prefill is None:
-                raise Overloaded(admission.no_workers("prefill"))
+                raise Overloaded(admission.no_workers(Role.PREFILL))
             refs = self.encode.place(path, prefill, images) if images else []
             path.prefill = prefill.worker_id
             path.phase = Phase.PREFILLING
@@ -101,7 +102,7 @@ class RequestFlow:
         return worker
 
     async def _reserve(self, path: Path) -> None:
-        decode = self._pick_for_queue("decode")
+        decode = self._pick_for_queue(Role.DECODE)
         path.phase = Phase.RESERVING
         path.decode = decode.worker_id
         path.reserved = asyncio.get_running_loop().create_future()
@@ -270,7 +271,7 @@ class RequestFlow:
             worker.drop(path_id)
             if path is None:
                 continue
-            if path.mode is Mode.PD and worker.role == "prefill":
+            if path.mode is Mode.PD and worker.role == Role.PREFILL:
                 # It writes nothing more that could land: a dead process writes nothing, and a
                 # paused or hung one that resumes finds the decode worker's fence closed
                 # (transfer/fence.py). So the decode side need not wait for its TransferDone.
@@ -281,7 +282,7 @@ class RequestFlow:
                     continue
             if path.done:
                 continue
-            if path.mode is Mode.PD and worker.role == "decode" and path.phase is Phase.DRAINING:
+            if path.mode is Mode.PD and worker.role == Role.DECODE and path.phase is Phase.DRAINING:
                 path.done = True
                 continue
             self.fail(path, f"{worker.role} worker {worker.worker_id} failed while serving this request ({reason})")

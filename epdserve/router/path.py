@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 
 from epdserve.cluster import messages as m
 from epdserve.request import EventType
@@ -26,14 +26,14 @@ from epdserve.sampling import SamplingParams
 from epdserve.transfer.slab import SlabRegion
 
 
-class Mode(str, Enum):
+class Mode(StrEnum):
     """How the ready workers serve a request."""
 
     COLOCATED = "colocated"  # one worker runs it to completion
     PD = "pd"  # a prefill worker, then a decode worker
 
 
-class Phase(str, Enum):
+class Phase(StrEnum):
     NEW = "new"
     RUNNING = "running"
     RESERVING = "reserving"

@@ -2,7 +2,7 @@
 
 The models check types only, strictly (an integer field takes no float or string, a boolean
 no number); ``null`` means "not given" for every optional field, as the OpenAI and vLLM
-clients send it. Bounds live in ``epdserve.router.validate``.
+clients send it. Bounds live in ``epdserve.validate``.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from epdserve.errors import InvalidRequestError
-from epdserve.router.validate import SamplingFields
+from epdserve.validate import SamplingFields
 
 
 class StreamOptions(BaseModel):

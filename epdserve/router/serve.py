@@ -14,6 +14,7 @@ import time
 from epdserve.cli_args import engine_argv
 from epdserve.envs import EPDSERVE_API_KEY, get_api_key
 from epdserve.errors import ConfigError
+from epdserve.roles import Role
 from epdserve.router.workers import DEFAULT_ROUTING, ROUTING_POLICIES
 
 log = logging.getLogger("epdserve.serve")
@@ -105,7 +106,7 @@ def plan_workers(ns: argparse.Namespace) -> list[str]:
     if ns.max_images_per_request < 1 or ns.encode_batch_images < 1:
         raise ConfigError("--max-images-per-request and --encode-batch-images must be at least 1")
     # Encode workers first: with fewer cores than workers, they share a core with decode.
-    return ["encode"] * encode + ["prefill"] * prefill + ["decode"] * decode + ["colocated"] * colocated
+    return [Role.ENCODE] * encode + [Role.PREFILL] * prefill + [Role.DECODE] * decode + [Role.COLOCATED] * colocated
 
 
 def is_vlm_checkpoint(model: str | None) -> bool:
@@ -193,10 +194,10 @@ async def serve(ns: argparse.Namespace) -> int:
         counters[role] = counters.get(role, 0) + 1
         worker_id = f"{role}-{counters[role] - 1}"
         log_path = f"{ns.worker_log_dir}/{worker_id}.log" if ns.worker_log_dir else None
-        role_extra = encode_extra if role == "encode" else consumer_extra if role in ("prefill", "colocated") else []
-        if role == "decode":
+        role_extra = encode_extra if role == Role.ENCODE else consumer_extra if role in (Role.PREFILL, Role.COLOCATED) else []
+        if role == Role.DECODE:
             role_extra = [*role_extra, "--reservation-lease", str(ns.reservation_lease)]
-        if ns.step_trace_dir and role != "encode":
+        if ns.step_trace_dir and role != Role.ENCODE:
             role_extra = [*role_extra, "--step-trace-dir", ns.step_trace_dir]
         worker = spawn_worker(worker_id, role, router.address, cores, extra + role_extra, log_path)
         workers.append(worker)
@@ -229,7 +230,7 @@ async def serve(ns: argparse.Namespace) -> int:
         port = sock.getsockname()[1]
         server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
         serving = asyncio.create_task(server.serve(sockets=[sock]))
-        layout = ", ".join(f"{need[r]} {r}" for r in ("encode", "prefill", "decode", "colocated") if r in need)
+        layout = ", ".join(f"{need[r]} {r}" for r in (Role.ENCODE, Role.PREFILL, Role.DECODE, Role.COLOCATED) if r in need)
         url = f"http://{ns.host}:{port}"
         print(f"epdserve ready in {time.monotonic() - started:.1f} s: {url} ({layout}; model {names[0]}; "
               f"workers connect to {router.address})", flush=True)

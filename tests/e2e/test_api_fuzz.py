@@ -157,7 +157,7 @@ def _bound(prop: dict, **constraints) -> None:
 
 def _schema_with_limits(raw: dict) -> dict:
     """The served OpenAPI description of the two endpoints, with this server's bounds written in
-    (what epdserve/router/validate.py checks) and generation kept to MAX_FUZZ_TOKENS tokens."""
+    (what epdserve/validate.py checks) and generation kept to MAX_FUZZ_TOKENS tokens."""
     schema = copy.deepcopy(raw)
     schema["paths"] = {path: schema["paths"][path] for path in ENDPOINTS}
     models = schema["components"]["schemas"]

@@ -1,4 +1,4 @@
-"""Request bounds at the edge (epdserve/router/validate.py), the request models' strictness, and
+"""Request bounds at the edge (epdserve/validate.py), the request models' strictness, and
 the HTTP guards (body size limit, API key) on a real ASGI app, in-process."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from starlette.testclient import TestClient
 
 from epdserve.router.guards import ApiKeyAuth, BodySizeLimit
 from epdserve.router.protocol import ChatCompletionRequest, CompletionRequest, error_response
-from epdserve.router.validate import (
+from epdserve.validate import (
     INT64_MAX,
     INT64_MIN,
     MIN_TOP_P,
@@ -191,7 +191,7 @@ def test_error_response_quotes_unencodable_text():
 
 
 def test_validation_module_does_not_import_torch():
-    code = "import sys, epdserve.router.validate, epdserve.router.protocol; print('torch' in sys.modules)"
+    code = "import sys, epdserve.validate, epdserve.router.protocol; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "False", out.stderr
 
