@@ -21,9 +21,9 @@ from typing import Any
 import numpy as np
 
 from epdserve.bench import BenchError
+from epdserve.bench.traces import TRACE_BLOCK_TOKENS, read_trace
 
 DATASETS = ("random", "random-mm", "sharegpt", "trace")
-TRACE_BLOCK_TOKENS = 512  # tokens behind one trace ``hash_ids`` entry (Mooncake traces)
 MAX_LENGTH_RETRIES = 10  # decode/re-encode rounds spent hitting an exact prompt length
 
 
@@ -183,13 +183,6 @@ def sharegpt_requests(
     return requests
 
 
-def _trace_int(record: dict, key: str, path: str, line_no: int) -> int:
-    value = record.get(key)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-        raise BenchError(f"{path}:{line_no}: '{key}' must be a non-negative number, got {value!r}")
-    return int(value)
-
-
 def trace_requests(
     tok: BenchTokenizer,
     path: str,
@@ -198,54 +191,32 @@ def trace_requests(
     time_scale: float = 1.0,
     length_scale: float = 1.0,
 ) -> Workload:
-    """Replay a JSONL trace: ``timestamp`` (ms from start), ``input_length``, ``output_length``,
-    optional ``hash_ids``. Equal hash ids give equal prompt blocks, so shared prefixes survive.
+    """Replay a JSONL trace (``traces.read_trace``): ``timestamp`` (ms from start),
+    ``input_length``, ``output_length``, optional ``hash_ids``. Equal hash ids give equal
+    prompt blocks, so shared prefixes survive.
 
     Send times are ``timestamp * time_scale``; lengths are ``length * length_scale`` (at least 1).
     """
     if time_scale <= 0 or length_scale <= 0:
         raise BenchError("--trace-time-scale and --trace-length-scale must be > 0")
-    records: list[tuple[float, int, int, list[int]]] = []  # (send s, input tokens, output tokens, hash ids)
-    try:
-        with open(path, encoding="utf-8") as f:
-            for line_no, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise BenchError(f"{path}:{line_no}: not a JSON object: {e.msg}") from None
-                if not isinstance(record, dict):
-                    raise BenchError(f"{path}:{line_no}: not a JSON object")
-                hash_ids = record.get("hash_ids", [])
-                if not isinstance(hash_ids, list) or not all(
-                    isinstance(h, int) and not isinstance(h, bool) and h >= 0 for h in hash_ids
-                ):
-                    raise BenchError(f"{path}:{line_no}: 'hash_ids' must be a list of non-negative integers")
-                send_s = _trace_int(record, "timestamp", path, line_no) / 1000.0 * time_scale
-                input_len = max(1, round(_trace_int(record, "input_length", path, line_no) * length_scale))
-                output_len = max(1, round(_trace_int(record, "output_length", path, line_no) * length_scale))
-                records.append((send_s, input_len, output_len, hash_ids))
-    except OSError as e:
-        raise BenchError(f"cannot read trace {path}: {e.strerror}") from None
-    if not records:
-        raise BenchError(f"{path}: the trace has no requests")
-    records.sort(key=lambda r: r[0])
+    records = read_trace(path)
     records = records[:num_prompts] if num_prompts is not None else records
     allowed = tok.allowed_ids()
     block_len = max(1, round(TRACE_BLOCK_TOKENS * length_scale))
     rng = np.random.default_rng(seed)
     requests = []
-    for _, input_len, output_len, hash_ids in records:
+    for record in records:
+        input_len = max(1, round(record.input_length * length_scale))
+        output_len = max(1, round(record.output_length * length_scale))
         ids: list[int] = []
-        for h in hash_ids:
+        for h in record.hash_ids:
             block_rng = np.random.default_rng([seed, h])
             ids += allowed[block_rng.integers(0, len(allowed), size=block_len)].tolist()
         ids = ids[:input_len]
         ids += allowed[rng.integers(0, len(allowed), size=input_len - len(ids))].tolist()
         text, prompt_len = _fit_to_length(tok, ids, input_len, rng, allowed)
         requests.append(SampleRequest(text, prompt_len, output_len))
-    return Workload(tuple(requests), tuple(r[0] for r in records))
+    return Workload(tuple(requests), tuple(r.arrival_s * time_scale for r in records))
 
 
 def arrival_offsets(num_requests: int, request_rate: float, burstiness: float, seed: int) -> list[float]:

@@ -16,8 +16,8 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -25,6 +25,14 @@ from epdserve.config import EngineArgs, EngineConfig, resolve_device_name, resol
 from epdserve.engine.detokenizer import FaultInjectingDetokenizer, IncrementalDetokenizer
 from epdserve.engine.failures import describe, is_fatal
 from epdserve.engine.kv_cache import KVCacheManager, make_group_specs
+from epdserve.engine.outputs import (
+    ERROR_FINISH_REASON,
+    Completion,
+    EngineLoad,
+    RequestOutput,
+    check_mm_inputs,
+)
+from epdserve.engine.pd_roles import PDRoles
 from epdserve.engine.runner import ModelRunner, kv_cache_shapes
 from epdserve.engine.sampler import TokenLogprobs
 from epdserve.engine.scheduler import Scheduler, SchedulerOutput
@@ -33,48 +41,10 @@ from epdserve.faults import FaultKind, FaultPlan
 from epdserve.models.loader import LoadedModel, load_model
 from epdserve.request import EventType, MMInput, Request, RequestStatus
 from epdserve.sampling import SamplingParams
-from epdserve.transfer.connector import TransferStats
+from epdserve.validate import RequestLimits, check_prompt_ids
 
 KVCacheAllocator = Callable[[list[tuple[int, ...]], torch.dtype], list[torch.Tensor]]
-ERROR_FINISH_REASON = "error"
 log = logging.getLogger("epdserve.engine")
-
-
-@dataclass
-class RequestOutput:
-    """What one step produced for one sequence of a request (deltas).
-
-    A failed request gets one output (index 0, no tokens) with ``finished``, finish reason
-    "error" and ``error`` set: all of its sequences have ended.
-    """
-
-    request_id: str
-    index: int  # which of the request's n sequences
-    new_text: str
-    new_token_ids: list[int]
-    new_logprobs: list[TokenLogprobs]
-    finished: bool
-    finish_reason: str | None
-    num_prompt_tokens: int
-    num_cached_tokens: int
-    prefill_start: float = 0.0  # seconds since the epoch; 0 when not (yet) known
-    prefill_end: float = 0.0
-    error: str | None = None  # why the request failed inside this engine
-
-
-@dataclass
-class Completion:
-    """A whole sequence, as ``LLMEngine.generate`` returns it."""
-
-    request_id: str
-    index: int
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprobs] = field(default_factory=list)
-    finish_reason: str | None = None
-    num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0
-    error: str | None = None
 
 
 @dataclass
@@ -85,7 +55,7 @@ class _Sequence:
     detokenizer: IncrementalDetokenizer
 
 
-class LLMEngine:
+class LLMEngine(PDRoles):
     def __init__(
         self,
         args: EngineArgs,
@@ -135,18 +105,11 @@ class LLMEngine:
         return self.tokenizer.encode(prompt)
 
     def validate_prompt(self, prompt_token_ids: list[int]) -> None:
+        """The edge's prompt rule (``validate.check_prompt_ids``), then this engine's own: the
+        prompt's KV blocks fit the cache."""
+        limits = RequestLimits(vocab_size=self.loaded.spec.vocab_size, max_model_len=self.max_model_len)
+        check_prompt_ids(prompt_token_ids, limits)
         num = len(prompt_token_ids)
-        if num == 0:
-            raise InvalidRequestError("prompt must not be empty")
-        if num >= self.max_model_len:
-            raise InvalidRequestError(
-                f"prompt has {num} tokens, but max_model_len is {self.max_model_len} "
-                "(prompt plus at least one output token must fit)"
-            )
-        vocab = self.loaded.spec.vocab_size
-        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
-        if bad:
-            raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary (size {vocab})")
         num_blocks_needed = self.kv_cache.num_blocks_for(num + 1)
         if num_blocks_needed > self.kv_cache.num_blocks - 1:
             raise InvalidRequestError(
@@ -165,7 +128,7 @@ class LLMEngine:
         whose embedding is not ready holds back the tokens from its span on
         (``mark_image_ready``)."""
         self.validate_prompt(prompt_token_ids)
-        _check_mm_inputs(mm_inputs or [], len(prompt_token_ids))
+        check_mm_inputs(mm_inputs or [], len(prompt_token_ids))
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self._children:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
@@ -226,6 +189,11 @@ class LLMEngine:
         self._sequences[request_id] = _Sequence(parent_id, index, request, self._detokenizer(params))
         self.scheduler.add_request(request)
 
+    def _new_sequence(self, request_id: str, request: Request, detokenizer: IncrementalDetokenizer) -> None:
+        """A request of one sequence whose prompt is already computed (``start_decode``)."""
+        self._sequences[request_id] = _Sequence(request_id, 0, request, detokenizer)
+        self._children[request_id] = [request_id]
+
     def _detokenizer(self, params: SamplingParams) -> IncrementalDetokenizer:
         if self._faults is not None and self._faults.has(FaultKind.DETOK_ERROR, params.seed):
             return FaultInjectingDetokenizer(self.tokenizer, params, self._faults)
@@ -245,67 +213,6 @@ class LLMEngine:
         self._sequences.pop(request_id, None)
         self.runner.release(request_id, aborted=True)
 
-    # -- P/D roles -----------------------------------------------------------------------
-    def add_prefill_request(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        kv_target: str,
-        kv_target_block_ids: list[list[int]],
-        mm_inputs: list[MMInput] | None = None,
-        is_mm_pipelined: bool = True,
-        kv_target_generation: int = 0,
-    ) -> None:
-        """Prefill worker: compute the prompt, sample the first token, push the KV to
-        ``kv_target``'s blocks (reservation ``kv_target_generation``, see transfer/fence.py);
-        the blocks stay held until the transfer reports done."""
-        _check_mm_inputs(mm_inputs or [], len(prompt_token_ids))
-        prefill_params = replace(params, n=1, max_tokens=1, min_tokens=min(params.min_tokens, 1))
-        self._add_sequence(request_id, request_id, 0, prompt_token_ids, prefill_params)
-        self._children[request_id] = [request_id]
-        request = self._sequences[request_id].request
-        if mm_inputs:
-            request.mm_inputs = mm_inputs
-            request.is_mm_pipelined = is_mm_pipelined
-            self._mm_inputs[request_id] = mm_inputs
-        request.hold_kv_for_transfer = True
-        request.kv_target = kv_target
-        request.kv_target_block_ids = kv_target_block_ids
-        request.kv_target_generation = kv_target_generation
-
-    def reserve(self, request_id: str, num_prompt_tokens: int) -> list[list[int]] | None:
-        """Decode worker: blocks for a prompt whose KV a prefill worker will write."""
-        return self.scheduler.reserve(request_id, num_prompt_tokens)
-
-    def start_decode(
-        self, request_id: str, prompt_token_ids: list[int], first_token_id: int, params: SamplingParams
-    ) -> None:
-        """Decode worker: the reserved request's KV has landed; continue after the first token."""
-        request = Request(
-            request_id, list(prompt_token_ids), params, eos_token_ids=self.tokenizer.eos_token_ids
-        )
-        request.output_token_ids.append(first_token_id)
-        request.record(EventType.ARRIVED)
-        detokenizer = self._detokenizer(params)
-        detokenizer.prime([first_token_id])
-        self._sequences[request_id] = _Sequence(request_id, 0, request, detokenizer)
-        self._children[request_id] = [request_id]
-        self.scheduler.add_prefilled(request)
-
-    def poll_transfers(self) -> list[TransferStats]:
-        """Prefill worker: KV transfers that ended; their held blocks are freed here. A
-        transfer of a request aborted or failed meanwhile is left out: whoever ended the
-        request reports its transfer."""
-        if self.runner.pusher is None:
-            return []
-        sched = self.scheduler
-        finished = [s for s in self.runner.pusher.poll()
-                    if s.request_id in sched.requests or s.request_id in sched.transferring]
-        for stats in finished:
-            self.scheduler.release_transfer(stats.request_id)
-        return finished
-
     def live_request_ids(self) -> list[str]:
         """Every request this engine holds, by the id it came with: queued, running, reserved
         (decode) and transferring (prefill)."""
@@ -313,6 +220,39 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def load(self) -> EngineLoad:
+        sched, cache = self.scheduler, self.kv_cache
+        return EngineLoad(len(sched.running), len(sched.waiting), len(sched.reserved), len(sched.transferring),
+                          cache.num_free_blocks(), cache.num_used_blocks())
+
+    # -- KV pages ------------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self.runner.device
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        return self.runner.kv_dtype
+
+    @property
+    def kv_caches(self) -> Sequence[torch.Tensor]:
+        """The KV pages, one tensor per layer (see runner.py); the sequence is read-only."""
+        return tuple(self.runner.kv_caches)
+
+    @property
+    def kv_layer_to_group(self) -> Sequence[int]:
+        """Per layer, the KV cache group whose block tables address its pages."""
+        return tuple(self.runner.layer_to_group)
+
+    @property
+    def num_kv_groups(self) -> int:
+        return len(self.kv_cache.groups)
+
+    def release_kv_pages(self) -> None:
+        """Drop the engine's references to its KV pages (before their memory is unmapped);
+        the engine runs no step after this."""
+        self.runner.release_kv_pages()
 
     @property
     def last_num_scheduled(self) -> int:
@@ -464,12 +404,3 @@ class LLMEngine:
                         sibling.finish_reason, sibling.error = out.finish_reason, out.error
         return [results[rid] for rid in ids]
 
-
-def _check_mm_inputs(mm_inputs: list[MMInput], num_prompt_tokens: int) -> None:
-    end = 0
-    for mm in mm_inputs:
-        if mm.offset < end or mm.end > num_prompt_tokens or mm.num_embeds <= 0:
-            raise InvalidRequestError(
-                f"image span {mm.offset}..{mm.end} overlaps another or lies outside the prompt"
-            )
-        end = mm.end

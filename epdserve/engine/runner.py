@@ -77,6 +77,19 @@ class ModelRunner:
     def kv_cache_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.kv_caches)
 
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        return self.kv_caches[0].dtype
+
+    def attach_pusher(self, layerwise: bool = True) -> KVPusher:
+        """Push the KV of requests with a ``kv_target`` from every later step."""
+        self.pusher = KVPusher(self.kv_caches, self.layer_to_group, self.block_size, layerwise)
+        return self.pusher
+
+    def release_kv_pages(self) -> None:
+        """Forget the KV pages (their memory is about to go); no step runs after this."""
+        self.kv_caches = []
+
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> RunnerOutput:
         """Run the batch's forward pass and sample. An exception in the forward pass

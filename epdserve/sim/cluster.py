@@ -1,16 +1,7 @@
-"""Discrete-event cluster simulator: router, instances, KV and embedding transfers.
+"""Discrete-event cluster simulator: the request path through router, instances and links.
 
-Events sit in one heap as ``(time_s, kind, order, seq, payload)``. At equal times lower kinds
-go first, so work that arrives at an instant is visible to a step that ends at that instant::
-
-    ARRIVAL < EMBED_DONE < TRANSFER_DONE < ENCODE_END < STEP_END < RESERVED < HEARTBEAT
-
-and step ends at one instant go in instance order (``order``), the rest in push order.
-
-Each step instance runs the engine's ``Scheduler.schedule()`` when it starts a step and
-``Scheduler.update()`` when the step ends (``StepCost`` seconds later); between steps it
-does nothing. Sampled tokens are a dummy id and requests stop at ``max_tokens``.
-Decode-only stretches are fast-forwarded (``fastforward``) to the same result.
+The event loop, the instances and the heartbeat are ``loop.SimLoop``'s; this module handles
+what happens to a request. Sampled tokens are a dummy id and requests stop at ``max_tokens``.
 
 The router is the real one's rules: ``WorkerRegistry.pick`` on heartbeat-reported load,
 ``max_pending`` and per-worker queue limits (429), decode reservation refusal (503).
@@ -19,160 +10,31 @@ prefill end; KV goes layer by layer over the prefill instance's link; decode sta
 (``add_prefilled``) when the last layer is out, and prefill frees its blocks then.
 E/P/D: each image is encoded on a picked encoder, batched by image, and its embedding sent
 over that encoder's link; the prefill scheduler computes what is ready (``MMInput``).
+A request's moments go on its ``Flight`` and its engine ``Request`` by ``EventType``.
 """
 
 from __future__ import annotations
 
-import heapq
-from time import perf_counter
-
 from epdserve.engine.step_shape import StepShape
-from epdserve.errors import ConfigError
 from epdserve.request import EventType, MMInput, Request
 from epdserve.router.admission import Rejection, check_pending, check_worker_queue, reservation_refused
-from epdserve.router.workers import WorkerRegistry
 from epdserve.sampling import SamplingParams
 from epdserve.sim import fastforward
-from epdserve.sim.config import SimConfig, SimStats
-from epdserve.sim.cost_model import CostModel
-from epdserve.sim.instance import EncodeInstance, Link, StepInstance, role_summary
-from epdserve.sim.results import Flight, MissWatch, Recorder
-from epdserve.sim.workload import SimWorkload
+from epdserve.sim.config import SimConfig
+from epdserve.sim.instance import EncodeInstance, StepInstance
+from epdserve.sim.loop import ARRIVAL, EMBED_DONE, ENCODE_END, RESERVED, TRANSFER_DONE, SimLoop
+from epdserve.sim.results import Flight
 
-ARRIVAL, EMBED_DONE, TRANSFER_DONE, ENCODE_END, STEP_END, RESERVED, HEARTBEAT = range(7)
+__all__ = ["ClusterSim", "SimConfig"]
+
 DUMMY_TOKEN_ID = 0
 
 
-class ClusterSim:
-    def __init__(self, cost: CostModel, config: SimConfig, workload: SimWorkload,
-                 watch: MissWatch | None = None) -> None:
-        """``watch``: stop as soon as the run can no longer meet its SLO (``is_aborted``)."""
-        if len(workload) == 0:
-            raise ConfigError("the workload has no requests")
-        topo = config.topology
-        self.cost, self.config, self.workload = cost, config, workload
-        self.is_split = topo.is_split
-        self.num_image_tokens = 0
-        if workload.num_images:
-            if not topo.num_encode:
-                raise ConfigError("the workload has images; add encode=N to the topology")
-            self.num_image_tokens = workload.num_images * workload.tiles_per_image * cost.encoder().tokens_per_tile
-        elif topo.num_encode:
-            cost.encoder()
-        lengths = workload.input_lens + workload.output_lens + self.num_image_tokens
-        self.max_model_len = config.max_model_len or max(2, int(lengths.max()))
-        self.instances: list[StepInstance | EncodeInstance] = []
-        self.registry = WorkerRegistry(config.routing)
-        self.by_worker_id: dict[str, StepInstance | EncodeInstance] = {}
-        for role in topo.roles:
-            for i in range(topo.count(role)):
-                self._add_instance(role, f"{role}-{i}")
-        per_host = config.instances_per_host
-        for inst in self.instances:
-            host = inst.index // per_host
-            inst.neighbours = [o for o in self.instances if o is not inst and o.index // per_host == host]
-        # A step's time then depends on the other instances' state, which a fast-forwarded
-        # stretch cannot see: step every step.
-        self.is_fast_forward = config.is_fast_forward and not any(
-            inst.neighbour_step is not None and inst.neighbours for inst in self.instances)
-        self.recorder = Recorder(len(workload), config.max_detail_requests, watch)
-        self.watch = watch
-        self.is_aborted = False
-        self.flights: dict[str, Flight] = {}
-        self.detail_ids: set[str] = set()
-        self.heap: list = []
-        self.seq = 0
-        self.num_pending_events = 0  # in the heap, heartbeats not counted
-        self.now = 0.0
-        self.stats = SimStats()
-        self._filler = workload.make_filler()
-        self._params: dict[int, SamplingParams] = {}
-        self._prefill_params = SamplingParams(max_tokens=1, ignore_eos=True)
-
-    def _add_instance(self, role: str, worker_id: str) -> None:
-        cost, config = self.cost, self.config
-        link = Link(config.link_bytes_per_s)
-        if role == "encode":
-            inst = EncodeInstance(worker_id, cost.encoder(), config.encode_max_batch_images, link, cost.model)
-        else:
-            profile = cost.role(role)
-            capacity = (profile.num_kv_blocks - 1) * cost.block_size
-            if capacity < self.max_model_len:
-                raise ConfigError(
-                    f"the profile's {role} role holds {capacity} tokens of KV; the workload's longest "
-                    f"request needs {self.max_model_len} (pass a smaller max model length)"
-                )
-            inst = StepInstance(worker_id, profile, cost.block_size, self.max_model_len, config.enable_prefix_caching,
-                                config.max_num_seqs.get(role), link if role == "prefill" else None, cost.model)
-        inst.index = len(self.instances)
-        self.instances.append(inst)
-        self.registry.add(inst.worker)
-        self.by_worker_id[worker_id] = inst
-
-    # -- event loop ----------------------------------------------------------------------
-    def _push(self, when: float, kind: int, payload: object, order: int = 0) -> None:
-        self.seq += 1
-        if kind != HEARTBEAT:
-            self.num_pending_events += 1
-        heapq.heappush(self.heap, (when, kind, order, self.seq, payload))
-
-    def _push_step_end(self, inst: StepInstance, when: float) -> None:
-        inst.busy_until = when
-        self._push(when, STEP_END, (inst, inst.epoch), inst.index)
-
-    def run(self) -> Recorder:
-        started = perf_counter()
-        self._push(float(self.workload.arrival_s[0]), ARRIVAL, 0)
-        self._push(0.0, HEARTBEAT, None)
-        heap, pop = self.heap, heapq.heappop
-        num_events = 0
-        watch = self.watch
-        while heap:
-            if watch is not None and watch.is_hopeless:
-                self.is_aborted = True
-                break
-            when, kind, _, _, payload = pop(heap)
-            self.now = when
-            num_events += 1
-            if kind != HEARTBEAT:
-                self.num_pending_events -= 1
-            if kind == STEP_END:
-                inst, epoch = payload
-                if epoch == inst.epoch:
-                    self._on_step_end(inst)
-            elif kind == ARRIVAL:
-                self._on_arrival(payload)
-            elif kind == TRANSFER_DONE:
-                self._on_transfer_done(payload)
-            elif kind == ENCODE_END:
-                self._on_encode_end(payload)
-            elif kind == EMBED_DONE:
-                self._on_embed_done(*payload)
-            elif kind == RESERVED:
-                self._submit(*payload)
-            else:
-                self._on_heartbeat(payload)
-        self.stats = SimStats(perf_counter() - started, num_events, self.now)
-        return self.recorder
-
-    def _on_heartbeat(self, _: object) -> None:
-        for inst in self.instances:
-            stretch = getattr(inst, "stretch", None)
-            inst.worker.load = inst.load() if stretch is None else fastforward.load(inst, stretch, self.now)
-            inst.worker.num_submitted = 0
-        if self.flights and self.num_pending_events == 0:
-            raise ConfigError(
-                f"simulation stalled at {self.now:.3f} s with {len(self.flights)} requests that no instance "
-                f"can schedule (KV cache or max_num_seqs too small for them)"
-            )
-        if self.flights or self.num_pending_events:
-            self._push(self.now + self.config.heartbeat_s, HEARTBEAT, None)
+class ClusterSim(SimLoop):
+    """The simulated cluster: ``ClusterSim(cost, config, workload).run()`` replays the workload
+    and returns its ``Recorder``."""
 
     # -- router ------------------------------------------------------------------------------
-    def _pick(self, role: str) -> StepInstance | EncodeInstance | None:
-        worker = self.registry.pick(role)
-        return None if worker is None else self.by_worker_id[worker.worker_id]
-
     def _reject(self, index: int, num_prompt: int, rejection: Rejection) -> None:
         self.recorder.fail(index, self.now, num_prompt, f"{rejection.status} {rejection.message}", self.now)
 
@@ -255,7 +117,7 @@ class ClusterSim:
     def _submit(self, flight: Flight, blocks: list[list[int]] | None) -> None:
         """The router submits the prompt: to a prefill instance (after the decode instance
         reserved ``blocks`` for it), or to the colocated instance picked at arrival."""
-        rid, prompt, arrival = flight.request_id, flight.prompt, flight.arrival
+        rid, prompt, arrival = flight.request_id, flight.prompt, flight.arrived
         if self.is_split:
             target = flight.prefill = self._pick("prefill")
             request = Request(rid, prompt, self._prefill_params, arrival_time=arrival, hold_kv_for_transfer=True,
@@ -322,7 +184,7 @@ class ClusterSim:
                     flight = flights[request.request_id]
                     if flight.prefill_start is None:
                         flight.prefill_start = now
-                        flight.num_cached = request.num_cached_tokens
+                        flight.num_cached_tokens = request.num_cached_tokens
                         request.record(EventType.PREFILL_START, now)
             if inst.link is not None:
                 self._push_kv(inst, out.scheduled, now, step_s)
@@ -331,19 +193,6 @@ class ClusterSim:
         inst.num_steps += 1
         inst.busy_s += step_s
         self._push_step_end(inst, now + step_s)
-
-    def _sync(self, inst: StepInstance) -> None:
-        """Before anything changes a fast-forwarding instance's requests (a new one joins its
-        queue or batch): its stretch ends with the step in flight, as that step runs the batch
-        it started with; the change applies from the next step."""
-        stretch = inst.stretch
-        if stretch is None:
-            return
-        num_steps = fastforward.steps_done_before(stretch, self.now) + 1
-        if num_steps < stretch.num_steps:
-            fastforward.truncate(stretch, num_steps)
-            inst.epoch += 1
-            self._push_step_end(inst, stretch.ends[-1])
 
     def _token_times(self, inst: StepInstance) -> dict:
         if not self.detail_ids:
@@ -367,7 +216,7 @@ class ClusterSim:
             finals.append(flight if end == request.num_prompt_tokens else None)
         for flight, end_s in zip(finals, inst.link.send_layerwise(now, step_s, self.cost.num_layers, sizes)):
             if flight is not None:
-                flight.transfer_end = end_s
+                flight.kv_transfer_end = end_s
 
     def _on_step_end(self, inst: StepInstance) -> None:
         stretch = inst.stretch
@@ -391,7 +240,7 @@ class ClusterSim:
                         flight.first_token = flight.prefill_end = now
                         inst.worker.prefilled(request.request_id)
                         if self.watch is not None:
-                            self.watch.on_first_token(flight.index, now - flight.arrival)
+                            self.watch.on_first_token(flight.index, now - flight.arrived)
                         request.record(EventType.PREFILL_END, now)
                         request.record(EventType.FIRST_TOKEN, now)
         if self.detail_ids:
@@ -400,8 +249,8 @@ class ClusterSim:
         for request in finished:
             flight = flights[request.request_id]
             if inst.role == "prefill":
-                flight.exposed = max(0.0, flight.transfer_end - now)
-                self._push(max(flight.transfer_end, now), TRANSFER_DONE, flight)
+                flight.kv_exposed_s = max(0.0, flight.kv_transfer_end - now)
+                self._push(max(flight.kv_transfer_end, now), TRANSFER_DONE, flight)
                 if flight.num_output == 1:
                     self._complete(flight, 1)
             else:
@@ -410,7 +259,8 @@ class ClusterSim:
         self._kick(inst)
 
     def _complete(self, flight: Flight, num_output: int) -> None:
-        self.recorder.complete(flight, num_output, self.now)
+        flight.finished = self.now
+        self.recorder.complete(flight, num_output)
         rid = flight.request_id
         for inst in (flight.colocated, flight.decode):
             if inst is not None:
@@ -429,7 +279,7 @@ class ClusterSim:
         if flight.num_output == 1:
             decode.scheduler.release_reservation(rid)
         else:
-            request = Request(rid, flight.prompt, self._sampling(flight.num_output), arrival_time=flight.arrival)
+            request = Request(rid, flight.prompt, self._sampling(flight.num_output), arrival_time=flight.arrived)
             request.output_token_ids.append(DUMMY_TOKEN_ID)
             request.record(EventType.ARRIVED, self.now)
             decode.scheduler.add_prefilled(request)
@@ -468,17 +318,3 @@ class ClusterSim:
         consumer = flight.prefill or flight.colocated
         self._sync(consumer)
         self._kick(consumer)
-
-    # -- summary -------------------------------------------------------------------------
-    def summary(self) -> dict:
-        """The run's settings, cost and per-role counters, for the result's ``simulator`` section."""
-        return {
-            "topology": self.config.topology.spec,
-            "workload": self.workload.name,
-            "link_bytes_per_s": self.config.link_bytes_per_s,
-            "max_model_len": self.max_model_len,
-            "wall_time_s": self.stats.wall_s,
-            "num_events": self.stats.num_events,
-            "sim_end_s": self.stats.sim_end_s,
-            "roles": role_summary(self.instances, self.stats.sim_end_s),
-        }

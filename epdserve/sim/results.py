@@ -1,9 +1,10 @@
 """Per-request records of a simulation, turned into bench's result (same keys, same metrics).
 
-Each completed request decomposes its TTFT from simulated events (milliseconds)::
+Each completed request decomposes its TTFT from its simulated moments (``Flight``, named by
+``request.EventType``), in milliseconds::
 
-    arrived ─encode─▶ embeddings in ─queue─▶ prefill start ─prefill─▶ prefill end ─first token─▶
-    (encode: 0 without images; prefill counts from max(prefill start, embeddings in))
+    arrived ─encode─▶ encode_end ─queue─▶ prefill_start ─prefill─▶ prefill_end ─▶ first_token
+    (encode: 0 without images; prefill counts from max(prefill_start, encode_end))
 
 The first token is sampled by the prefill (or colocated) instance and streamed at once, so
 ``first_token_ms`` is 0 and the components add up to TTFT. ``exposed_transfer_ms`` is the
@@ -25,52 +26,62 @@ import numpy as np
 
 from epdserve.bench.metrics import TTFT_COMPONENTS, RequestOutput, compute_metrics
 from epdserve.bench.report import RunInfo, build_result
+from epdserve.request import EventType
+
+FLIGHT_EVENTS = (EventType.ARRIVED, EventType.ENCODE_END, EventType.PREFILL_START, EventType.PREFILL_END,
+                 EventType.KV_TRANSFER_END, EventType.FIRST_TOKEN, EventType.FINISHED)
+# A detail request's ``timing`` object: these moments, keyed by value as bench's timings are.
+DETAIL_EVENTS = (EventType.ARRIVED, EventType.PREFILL_START, EventType.PREFILL_END, EventType.KV_TRANSFER_END,
+                 EventType.FIRST_TOKEN, EventType.FINISHED)
 
 
 class Flight:
-    """One request while it is in the simulated cluster (times: seconds, sim clock)."""
+    """One request while it is in the simulated cluster (times: seconds, sim clock).
+
+    Its moments are named by ``request.EventType`` values, as ``messages.Timing``'s fields are
+    (``flight.prefill_start`` is ``flight.at(EventType.PREFILL_START)``); None: not yet.
+    ``encode_end`` (all embeddings in) is the arrival for a request without images.
+    """
 
     __slots__ = (
-        "arrival",
+        *(event.value for event in FLIGHT_EVENTS),
         "colocated",
         "decode",
-        "encode_end",
         "encoders",
-        "exposed",
-        "first_token",
         "index",
+        "kv_exposed_s",
         "kv_sent",
         "mm_inputs",
-        "num_cached",
+        "num_cached_tokens",
         "num_output",
         "num_pending_images",
         "num_prompt",
         "prefill",
-        "prefill_end",
-        "prefill_start",
         "prompt",
         "request_id",
         "token_times",
-        "transfer_end",
     )
 
-    def __init__(self, index: int, arrival: float, num_prompt: int, num_output: int, prompt: list[int]) -> None:
+    def __init__(self, index: int, arrived: float, num_prompt: int, num_output: int, prompt: list[int]) -> None:
         self.index = index
         self.request_id = str(index)
-        self.arrival = arrival
+        self.arrived = self.encode_end = arrived
+        self.prefill_start = self.prefill_end = self.kv_transfer_end = self.first_token = self.finished = None
         self.num_prompt = num_prompt
         self.num_output = num_output
         self.prompt = prompt
-        self.first_token = self.prefill_start = self.prefill_end = self.transfer_end = None
-        self.encode_end = arrival
-        self.exposed = 0.0
+        self.kv_exposed_s = 0.0  # KV transfer still in flight when the prefill step ended (a duration)
         self.kv_sent = 0  # prompt tokens whose KV is queued on the prefill instance's link
         self.token_times: list[float] | None = None  # detail requests only
         self.colocated = self.prefill = self.decode = None  # instances
         self.encoders: dict = {}  # encode instance -> images of this request not yet encoded there
         self.num_pending_images = 0
         self.mm_inputs: list = []
-        self.num_cached = 0
+        self.num_cached_tokens = 0
+
+    def at(self, event: EventType) -> float | None:
+        """When ``event`` happened (None: not yet); ``event`` is one of ``FLIGHT_EVENTS``."""
+        return getattr(self, event.value)
 
 
 class MissWatch:
@@ -146,25 +157,26 @@ class Recorder:
         if self.watch is not None:
             self.watch.on_fail(index)
 
-    def complete(self, f: Flight, num_output: int, now: float) -> None:
-        i = f.index
+    def complete(self, f: Flight, num_output: int) -> None:
+        """``f`` finished (at ``f.finished``) with ``num_output`` tokens."""
+        i, now, arrived, first_token = f.index, f.finished, f.arrived, f.first_token
         self.is_done[i] = self.is_ok[i] = True
-        self.start[i] = f.arrival
-        self.latency[i] = now - f.arrival
-        self.ttft[i] = f.first_token - f.arrival
+        self.start[i] = arrived
+        self.latency[i] = now - arrived
+        self.ttft[i] = first_token - arrived
         self.prompt_len[i] = f.num_prompt
         self.output_len[i] = num_output
         if self.watch is not None:
-            tpot = (now - f.first_token) / (num_output - 1) if num_output > 1 else 0.0
-            self.watch.on_complete(i, tpot, now - f.arrival)
+            tpot = (now - first_token) / (num_output - 1) if num_output > 1 else 0.0
+            self.watch.on_complete(i, tpot, now - arrived)
         ready = f.encode_end
         start = max(f.prefill_start, ready)
         parts = {
             "queue_ms": max(0.0, f.prefill_start - ready) * 1e3,
-            "encode_ms": (ready - f.arrival) * 1e3,
+            "encode_ms": (ready - arrived) * 1e3,
             "prefill_ms": (f.prefill_end - start) * 1e3,
-            "exposed_transfer_ms": f.exposed * 1e3,
-            "first_token_ms": (f.first_token - f.prefill_end) * 1e3,
+            "exposed_transfer_ms": f.kv_exposed_s * 1e3,
+            "first_token_ms": (first_token - f.prefill_end) * 1e3,
         }
         for key, value in parts.items():
             self.components[key][i] = value
@@ -172,10 +184,9 @@ class Recorder:
             times = f.token_times
             self.itls[i] = tuple(b - a for a, b in itertools.pairwise(times))
             self.timings[i] = {
-                "arrived": f.arrival, "prefill_start": f.prefill_start, "prefill_end": f.prefill_end,
-                "kv_transfer_end": f.transfer_end or 0.0, "first_token": f.first_token, "finished": now,
-                "num_cached_tokens": f.num_cached, **{k: round(v, 6) for k, v in parts.items()},
-                "ttft_ms": (f.first_token - f.arrival) * 1e3, "e2e_ms": (now - f.arrival) * 1e3,
+                **{e.value: f.at(e) or 0.0 for e in DETAIL_EVENTS},
+                "num_cached_tokens": f.num_cached_tokens, **{k: round(v, 6) for k, v in parts.items()},
+                "ttft_ms": (first_token - arrived) * 1e3, "e2e_ms": (now - arrived) * 1e3,
             }
         self.end_s = max(self.end_s, now)
 

@@ -4,7 +4,8 @@
   them, Poisson or Gamma arrivals at ``rate`` (bench's ``arrival_offsets``).
 - ``trace``: a Mooncake JSONL trace (``timestamp`` ms, ``input_length``, ``output_length``,
   ``hash_ids``) or an Azure CSV trace (``arrived_at`` s, ``num_prefill_tokens``,
-  ``num_decode_tokens``), with ``time_scale`` / ``length_scale`` as in bench.
+  ``num_decode_tokens``), read by bench's ``traces`` parser, with ``time_scale`` /
+  ``length_scale`` as in bench.
 
 Token ids are synthetic. A trace's hash id names a fixed run of ``block_tokens`` ids, so equal
 hash ids give equal prompt blocks and the engine's prefix cache sees the trace's shared
@@ -16,15 +17,15 @@ prefixes; every other prompt position gets ids no other request uses::
 
 from __future__ import annotations
 
-import csv
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from epdserve.bench.workloads import TRACE_BLOCK_TOKENS, arrival_offsets
+from epdserve.bench import BenchError
+from epdserve.bench.traces import TRACE_BLOCK_TOKENS, read_csv_trace, read_trace
+from epdserve.bench.workloads import arrival_offsets
 from epdserve.errors import ConfigError, EpdserveError
 
 _UNIQUE_BASE = 1 << 42  # request i's unique ids start at _UNIQUE_BASE + i * 2**21
@@ -144,54 +145,6 @@ def random_workload(num_requests: int, rate: float, input_len: int = 1024, outpu
     return SimWorkload("random", arrivals, input_lens, output_lens, None, TRACE_BLOCK_TOKENS, num_images, tiles_per_image)
 
 
-def _number(record: dict, key: str, where: str) -> float:
-    value = record.get(key)
-    if isinstance(value, str):
-        try:
-            value = float(value)
-        except ValueError:
-            pass
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-        raise ConfigError(f"{where}: {key!r} must be a non-negative number, got {value!r}")
-    return float(value)
-
-
-def _read_mooncake(path: str) -> list[tuple[float, int, int, tuple[int, ...]]]:
-    records = []
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{line_no}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"{where}: not a JSON object: {e.msg}") from None
-            if not isinstance(record, dict):
-                raise ConfigError(f"{where}: not a JSON object")
-            hash_ids = record.get("hash_ids", [])
-            if not isinstance(hash_ids, list) or not all(
-                isinstance(h, int) and not isinstance(h, bool) and h >= 0 for h in hash_ids
-            ):
-                raise ConfigError(f"{where}: 'hash_ids' must be a list of non-negative integers")
-            records.append((_number(record, "timestamp", where) / 1000.0, int(_number(record, "input_length", where)),
-                            int(_number(record, "output_length", where)), tuple(hash_ids)))
-    return records
-
-
-def _read_azure(path: str) -> list[tuple[float, int, int, tuple[int, ...]]]:
-    with open(path, encoding="utf-8", newline="") as f:
-        reader = csv.DictReader(f)
-        needed = {"arrived_at", "num_prefill_tokens", "num_decode_tokens"}
-        if not needed <= set(reader.fieldnames or ()):
-            raise ConfigError(f"{path}: a CSV trace needs columns {', '.join(sorted(needed))}")
-        return [
-            (_number(row, "arrived_at", f"{path}:{i}"), int(_number(row, "num_prefill_tokens", f"{path}:{i}")),
-             int(_number(row, "num_decode_tokens", f"{path}:{i}")), ())
-            for i, row in enumerate(reader, start=2)
-        ]
-
-
 def trace_workload(path: str, time_scale: float = 1.0, length_scale: float = 1.0, rate: float | None = None,
                    duration_s: float | None = None, num_requests: int | None = None, is_looped: bool = False,
                    num_images: int = 0, tiles_per_image: int = 0) -> SimWorkload:
@@ -203,23 +156,20 @@ def trace_workload(path: str, time_scale: float = 1.0, length_scale: float = 1.0
     if not Path(path).is_file():
         raise ConfigError(f"cannot read trace {path}: no such file")
     try:
-        records = _read_azure(path) if path.endswith(".csv") else _read_mooncake(path)
-    except OSError as e:
-        raise ConfigError(f"cannot read trace {path}: {e.strerror}") from None
-    if not records:
-        raise ConfigError(f"{path}: the trace has no requests")
-    records.sort(key=lambda r: r[0])
-    t0 = records[0][0]
-    times = np.array([r[0] - t0 for r in records]) * time_scale
+        records = read_csv_trace(path) if path.endswith(".csv") else read_trace(path)
+    except BenchError as e:
+        raise ConfigError(str(e)) from None
+    t0 = records[0].arrival_s
+    times = np.array([r.arrival_s - t0 for r in records]) * time_scale
     if rate is not None:
         if rate <= 0:
             raise ConfigError(f"rate must be > 0, got {rate}")
         span = times[-1]
         if span > 0:
             times = times * ((len(records) / span) / rate)
-    input_lens = np.array([max(1, round(r[1] * length_scale)) for r in records], dtype=np.int64)
-    output_lens = np.array([max(1, round(r[2] * length_scale)) for r in records], dtype=np.int64)
-    hash_ids = tuple(r[3] for r in records)
+    input_lens = np.array([max(1, round(r.input_length * length_scale)) for r in records], dtype=np.int64)
+    output_lens = np.array([max(1, round(r.output_length * length_scale)) for r in records], dtype=np.int64)
+    hash_ids = tuple(r.hash_ids for r in records)
     if is_looped:
         if duration_s is None and num_requests is None:
             raise ConfigError("a looped trace needs a duration or a number of requests")

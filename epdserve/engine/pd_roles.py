@@ -1,0 +1,121 @@
+"""The prefill and decode side of ``LLMEngine``: what a worker of a P/D pair asks of its engine.
+
+A prefill worker computes a prompt and pushes its KV into blocks a decode worker reserved; the
+decode worker starts generating once that KV has landed. ``LLMEngine`` takes these methods
+from ``PDRoles``; they work on its scheduler, runner and sequences.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from epdserve.engine.outputs import check_mm_inputs
+from epdserve.request import EventType, MMInput, Request
+from epdserve.sampling import SamplingParams
+from epdserve.transfer.connector import KVPusher, TransferStats
+
+if TYPE_CHECKING:
+    from epdserve.engine.detokenizer import IncrementalDetokenizer
+    from epdserve.engine.runner import ModelRunner
+    from epdserve.engine.scheduler import Scheduler
+    from epdserve.models.tokenizer import Tokenizer
+
+
+class PDRoles:
+    """Mixed into ``LLMEngine`` (engine.py), which sets these attributes and methods."""
+
+    scheduler: Scheduler
+    runner: ModelRunner
+    tokenizer: Tokenizer
+    _children: dict[str, list[str]]
+    _mm_inputs: dict[str, list[MMInput]]
+
+    if TYPE_CHECKING:
+        def _add_sequence(self, parent_id: str, request_id: str, index: int, prompt_token_ids: list[int],
+                          params: SamplingParams, wait_for_request_id: str | None = None) -> None: ...
+
+        def _detokenizer(self, params: SamplingParams) -> IncrementalDetokenizer: ...
+
+        def _new_sequence(self, request_id: str, request: Request,
+                          detokenizer: IncrementalDetokenizer) -> None: ...
+
+    def add_prefill_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        kv_target: str,
+        kv_target_block_ids: list[list[int]],
+        mm_inputs: list[MMInput] | None = None,
+        is_mm_pipelined: bool = True,
+        kv_target_generation: int = 0,
+    ) -> None:
+        """Prefill worker: compute the prompt, sample the first token, push the KV to
+        ``kv_target``'s blocks (reservation ``kv_target_generation``, see transfer/fence.py);
+        the blocks stay held until the transfer reports done."""
+        check_mm_inputs(mm_inputs or [], len(prompt_token_ids))
+        prefill_params = replace(params, n=1, max_tokens=1, min_tokens=min(params.min_tokens, 1))
+        self._add_sequence(request_id, request_id, 0, prompt_token_ids, prefill_params)
+        self._children[request_id] = [request_id]
+        request = self._sequences[request_id].request
+        if mm_inputs:
+            request.mm_inputs = mm_inputs
+            request.is_mm_pipelined = is_mm_pipelined
+            self._mm_inputs[request_id] = mm_inputs
+        request.hold_kv_for_transfer = True
+        request.kv_target = kv_target
+        request.kv_target_block_ids = kv_target_block_ids
+        request.kv_target_generation = kv_target_generation
+
+    def reserve(self, request_id: str, num_prompt_tokens: int) -> list[list[int]] | None:
+        """Decode worker: blocks for a prompt whose KV a prefill worker will write."""
+        return self.scheduler.reserve(request_id, num_prompt_tokens)
+
+    def start_decode(
+        self, request_id: str, prompt_token_ids: list[int], first_token_id: int, params: SamplingParams
+    ) -> None:
+        """Decode worker: the reserved request's KV has landed; continue after the first token."""
+        request = Request(
+            request_id, list(prompt_token_ids), params, eos_token_ids=self.tokenizer.eos_token_ids
+        )
+        request.output_token_ids.append(first_token_id)
+        request.record(EventType.ARRIVED)
+        detokenizer = self._detokenizer(params)
+        detokenizer.prime([first_token_id])
+        self._new_sequence(request_id, request, detokenizer)
+        self.scheduler.add_prefilled(request)
+
+    def is_reserved(self, request_id: str) -> bool:
+        """Decode worker: ``request_id`` still holds the blocks ``reserve`` gave it."""
+        return request_id in self.scheduler.reserved
+
+    def release_reservation(self, request_id: str) -> None:
+        """Decode worker: give a reservation's blocks back (its KV will not land)."""
+        self.scheduler.release_reservation(request_id)
+
+    def is_transferring(self) -> bool:
+        """Prefill worker: some request's blocks are held while its KV leaves."""
+        return bool(self.scheduler.transferring)
+
+    def attach_kv_pusher(self, layerwise: bool = True) -> KVPusher:
+        """Prefill worker: from now on each step pushes the KV of requests with a
+        ``kv_target`` to that decode worker (layer by layer, or in bulk after the step)."""
+        return self.runner.attach_pusher(layerwise)
+
+    @property
+    def kv_pusher(self) -> KVPusher | None:
+        return self.runner.pusher
+
+    def poll_transfers(self) -> list[TransferStats]:
+        """Prefill worker: KV transfers that ended; their held blocks are freed here. A
+        transfer of a request aborted or failed meanwhile is left out: whoever ended the
+        request reports its transfer."""
+        if self.runner.pusher is None:
+            return []
+        sched = self.scheduler
+        finished = [s for s in self.runner.pusher.poll()
+                    if s.request_id in sched.requests or s.request_id in sched.transferring]
+        for stats in finished:
+            self.scheduler.release_transfer(stats.request_id)
+        return finished

@@ -1,0 +1,214 @@
+"""The simulator's cluster and clock: its instances, the router's worker registry, one event heap.
+
+Events sit in one heap as ``(time_s, kind, order, seq, payload)``. At equal times lower kinds
+go first, so work that arrives at an instant is visible to a step that ends at that instant::
+
+    ARRIVAL < EMBED_DONE < TRANSFER_DONE < ENCODE_END < STEP_END < RESERVED < HEARTBEAT
+
+and step ends at one instant go in instance order (``order``), the rest in push order.
+``SimLoop.run`` pops them and calls the handler of each kind (``_on_arrival`` ..), which the
+request path (``cluster.ClusterSim``) defines; the heartbeat, here, reports every instance's
+load to the registry as workers do.
+
+Each step instance runs the engine's ``Scheduler.schedule()`` when it starts a step and
+``Scheduler.update()`` when the step ends (``StepCost`` seconds later); between steps it
+does nothing. Decode-only stretches are fast-forwarded (``fastforward``) to the same result.
+"""
+
+from __future__ import annotations
+
+import heapq
+from time import perf_counter
+
+from epdserve.errors import ConfigError
+from epdserve.router.workers import WorkerRegistry
+from epdserve.sampling import SamplingParams
+from epdserve.sim import fastforward
+from epdserve.sim.config import SimConfig, SimStats
+from epdserve.sim.cost_model import CostModel
+from epdserve.sim.instance import EncodeInstance, Link, StepInstance, role_summary
+from epdserve.sim.results import Flight, MissWatch, Recorder
+from epdserve.sim.workload import SimWorkload
+
+ARRIVAL, EMBED_DONE, TRANSFER_DONE, ENCODE_END, STEP_END, RESERVED, HEARTBEAT = range(7)
+
+
+class SimLoop:
+    """The instances of ``config.topology``, the router's registry of them, the clock and the
+    event heap; ``run`` drives the handlers until no event is left (or the SLO is out of reach)."""
+
+    def __init__(self, cost: CostModel, config: SimConfig, workload: SimWorkload,
+                 watch: MissWatch | None = None) -> None:
+        """``watch``: stop as soon as the run can no longer meet its SLO (``is_aborted``)."""
+        if len(workload) == 0:
+            raise ConfigError("the workload has no requests")
+        topo = config.topology
+        self.cost, self.config, self.workload = cost, config, workload
+        self.is_split = topo.is_split
+        self.num_image_tokens = 0
+        if workload.num_images:
+            if not topo.num_encode:
+                raise ConfigError("the workload has images; add encode=N to the topology")
+            self.num_image_tokens = workload.num_images * workload.tiles_per_image * cost.encoder().tokens_per_tile
+        elif topo.num_encode:
+            cost.encoder()
+        lengths = workload.input_lens + workload.output_lens + self.num_image_tokens
+        self.max_model_len = config.max_model_len or max(2, int(lengths.max()))
+        self.instances: list[StepInstance | EncodeInstance] = []
+        self.registry = WorkerRegistry(config.routing)
+        self.by_worker_id: dict[str, StepInstance | EncodeInstance] = {}
+        for role in topo.roles:
+            for i in range(topo.count(role)):
+                self._add_instance(role, f"{role}-{i}")
+        per_host = config.instances_per_host
+        for inst in self.instances:
+            host = inst.index // per_host
+            inst.neighbours = [o for o in self.instances if o is not inst and o.index // per_host == host]
+        # A step's time then depends on the other instances' state, which a fast-forwarded
+        # stretch cannot see: step every step.
+        self.is_fast_forward = config.is_fast_forward and not any(
+            inst.neighbour_step is not None and inst.neighbours for inst in self.instances)
+        self.recorder = Recorder(len(workload), config.max_detail_requests, watch)
+        self.watch = watch
+        self.is_aborted = False
+        self.flights: dict[str, Flight] = {}
+        self.detail_ids: set[str] = set()
+        self.heap: list = []
+        self.seq = 0
+        self.num_pending_events = 0  # in the heap, heartbeats not counted
+        self.now = 0.0
+        self.stats = SimStats()
+        self._filler = workload.make_filler()
+        self._params: dict[int, SamplingParams] = {}
+        self._prefill_params = SamplingParams(max_tokens=1, ignore_eos=True)
+
+    def _add_instance(self, role: str, worker_id: str) -> None:
+        cost, config = self.cost, self.config
+        link = Link(config.link_bytes_per_s)
+        if role == "encode":
+            inst = EncodeInstance(worker_id, cost.encoder(), config.encode_max_batch_images, link, cost.model)
+        else:
+            profile = cost.role(role)
+            capacity = (profile.num_kv_blocks - 1) * cost.block_size
+            if capacity < self.max_model_len:
+                raise ConfigError(
+                    f"the profile's {role} role holds {capacity} tokens of KV; the workload's longest "
+                    f"request needs {self.max_model_len} (pass a smaller max model length)"
+                )
+            inst = StepInstance(worker_id, profile, cost.block_size, self.max_model_len, config.enable_prefix_caching,
+                                config.max_num_seqs.get(role), link if role == "prefill" else None, cost.model)
+        inst.index = len(self.instances)
+        self.instances.append(inst)
+        self.registry.add(inst.worker)
+        self.by_worker_id[worker_id] = inst
+
+    # -- event loop ----------------------------------------------------------------------
+    def _push(self, when: float, kind: int, payload: object, order: int = 0) -> None:
+        self.seq += 1
+        if kind != HEARTBEAT:
+            self.num_pending_events += 1
+        heapq.heappush(self.heap, (when, kind, order, self.seq, payload))
+
+    def _push_step_end(self, inst: StepInstance, when: float) -> None:
+        inst.busy_until = when
+        self._push(when, STEP_END, (inst, inst.epoch), inst.index)
+
+    def run(self) -> Recorder:
+        started = perf_counter()
+        self._push(float(self.workload.arrival_s[0]), ARRIVAL, 0)
+        self._push(0.0, HEARTBEAT, None)
+        heap, pop = self.heap, heapq.heappop
+        num_events = 0
+        watch = self.watch
+        while heap:
+            if watch is not None and watch.is_hopeless:
+                self.is_aborted = True
+                break
+            when, kind, _, _, payload = pop(heap)
+            self.now = when
+            num_events += 1
+            if kind != HEARTBEAT:
+                self.num_pending_events -= 1
+            if kind == STEP_END:
+                inst, epoch = payload
+                if epoch == inst.epoch:
+                    self._on_step_end(inst)
+            elif kind == ARRIVAL:
+                self._on_arrival(payload)
+            elif kind == TRANSFER_DONE:
+                self._on_transfer_done(payload)
+            elif kind == ENCODE_END:
+                self._on_encode_end(payload)
+            elif kind == EMBED_DONE:
+                self._on_embed_done(*payload)
+            elif kind == RESERVED:
+                self._submit(*payload)
+            else:
+                self._on_heartbeat(payload)
+        self.stats = SimStats(perf_counter() - started, num_events, self.now)
+        return self.recorder
+
+    def _on_heartbeat(self, _: object) -> None:
+        for inst in self.instances:
+            stretch = getattr(inst, "stretch", None)
+            inst.worker.load = inst.load() if stretch is None else fastforward.load(inst, stretch, self.now)
+            inst.worker.num_submitted = 0
+        if self.flights and self.num_pending_events == 0:
+            raise ConfigError(
+                f"simulation stalled at {self.now:.3f} s with {len(self.flights)} requests that no instance "
+                f"can schedule (KV cache or max_num_seqs too small for them)"
+            )
+        if self.flights or self.num_pending_events:
+            self._push(self.now + self.config.heartbeat_s, HEARTBEAT, None)
+
+    # -- instances -----------------------------------------------------------------------
+    def _pick(self, role: str) -> StepInstance | EncodeInstance | None:
+        """The instance the router's registry picks for ``role`` (None: none of that role)."""
+        worker = self.registry.pick(role)
+        return None if worker is None else self.by_worker_id[worker.worker_id]
+
+    def _sync(self, inst: StepInstance) -> None:
+        """Before anything changes a fast-forwarding instance's requests (a new one joins its
+        queue or batch): its stretch ends with the step in flight, as that step runs the batch
+        it started with; the change applies from the next step."""
+        stretch = inst.stretch
+        if stretch is None:
+            return
+        num_steps = fastforward.steps_done_before(stretch, self.now) + 1
+        if num_steps < stretch.num_steps:
+            fastforward.truncate(stretch, num_steps)
+            inst.epoch += 1
+            self._push_step_end(inst, stretch.ends[-1])
+
+    # -- summary -------------------------------------------------------------------------
+    def summary(self) -> dict:
+        """The run's settings, cost and per-role counters, for the result's ``simulator`` section."""
+        return {
+            "topology": self.config.topology.spec,
+            "workload": self.workload.name,
+            "link_bytes_per_s": self.config.link_bytes_per_s,
+            "max_model_len": self.max_model_len,
+            "wall_time_s": self.stats.wall_s,
+            "num_events": self.stats.num_events,
+            "sim_end_s": self.stats.sim_end_s,
+            "roles": role_summary(self.instances, self.stats.sim_end_s),
+        }
+
+    # -- handlers (the request path's) --------------------------------------------------
+    def _on_arrival(self, index: int) -> None:
+        raise NotImplementedError
+
+    def _submit(self, flight: Flight, blocks: list[list[int]] | None) -> None:
+        raise NotImplementedError
+
+    def _on_step_end(self, inst: StepInstance) -> None:
+        raise NotImplementedError
+
+    def _on_transfer_done(self, flight: Flight) -> None:
+        raise NotImplementedError
+
+    def _on_encode_end(self, enc: EncodeInstance) -> None:
+        raise NotImplementedError
+
+    def _on_embed_done(self, flight: Flight, k: int) -> None:
+        raise NotImplementedError
