@@ -168,15 +168,19 @@ def check_prompt_text(prompt: object, limits: RequestLimits, param: str = "promp
     return prompt
 
 
+def check_prompt_length(num_tokens: int, max_model_len: int, param: str = "prompt") -> None:
+    """A prompt of ``num_tokens`` tokens: at least one, and room for one output token."""
+    if num_tokens == 0:
+        raise InvalidFieldError("prompt must not be empty", param)
+    if num_tokens >= max_model_len:
+        raise InvalidFieldError(
+            f"this model's maximum context length (max_model_len) is {max_model_len} tokens; "
+            f"the prompt has {num_tokens} tokens", param)
+
+
 def check_prompt_ids(token_ids: Sequence[int], limits: RequestLimits, param: str = "prompt") -> None:
     """Prompt token ids: 1 .. max_model_len - 1 of them, each in the vocabulary."""
-    num = len(token_ids)
-    if num == 0:
-        raise InvalidFieldError("prompt must not be empty", param)
-    if num >= limits.max_model_len:
-        raise InvalidFieldError(
-            f"this model's maximum context length (max_model_len) is {limits.max_model_len} tokens; "
-            f"the prompt has {num} tokens", param)
+    check_prompt_length(len(token_ids), limits.max_model_len, param)
     for token_id in token_ids:
         if not isinstance(token_id, int) or isinstance(token_id, bool) or not 0 <= token_id < limits.vocab_size:
             shown = _show(token_id) if isinstance(token_id, int) else repr(token_id)[:40]

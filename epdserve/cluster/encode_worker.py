@@ -14,31 +14,21 @@ slab region.
 from __future__ import annotations
 
 import logging
-import os
-import signal
-import socket
-import threading
 import time
 from collections import deque
 from dataclasses import dataclass
 
 import torch
-import zmq
 
 from epdserve.cluster import messages as m
-from epdserve.cluster.router_link import (
-    MalformedFrame,
-    StepProgress,
-    connect_to_router,
-    recv_message,
-    start_heartbeats,
-)
+from epdserve.cluster.router_link import MalformedFrame
+from epdserve.cluster.worker_base import Handler, WorkerBase, run_process
 from epdserve.config import resolve_device_name, resolve_dtype_name
 from epdserve.engine.encoder_runner import EncodeJob, EncodeResult, EncoderRunner
-from epdserve.engine.failures import EXIT_FATAL, describe, is_fatal
+from epdserve.engine.failures import describe, is_fatal
 from epdserve.errors import ConfigError
-from epdserve.gc_heap import freeze_startup_heap
 from epdserve.models.multimodal import load_multimodal_spec, load_vision_encoder
+from epdserve.roles import Role
 from epdserve.transfer.slab import EmbeddingSlab
 from epdserve.transfer.slab_tcp import TcpSlabSender
 
@@ -67,12 +57,12 @@ class EncodeWorkerOptions:
             raise ConfigError("the encoder cache size must not be negative")
 
 
-class EncodeWorker:
+class EncodeWorker(WorkerBase):
+    role = Role.ENCODE
+
     def __init__(self, opts: EncodeWorkerOptions) -> None:
+        super().__init__(opts.router, opts.worker_id, opts.cores, opts.heartbeat_s)
         self.opts = opts
-        if opts.cores:
-            os.sched_setaffinity(0, opts.cores)
-            torch.set_num_threads(len(opts.cores))
         device_name = resolve_device_name(opts.device)
         dtype = getattr(torch, resolve_dtype_name(opts.dtype, device_name))
         device = torch.device(device_name)
@@ -81,101 +71,76 @@ class EncodeWorker:
         self.runner = EncoderRunner(encoder, self.spec.policy, opts.cache_bytes)
         self.slabs: dict[str, EmbeddingSlab | TcpSlabSender] = {}  # consumer id -> its slab (shm) or link (tcp)
         self.queue: deque[m.EncodeImage] = deque()
-        self.ctx = zmq.Context()
-        self.sock = connect_to_router(self.ctx, opts.router, opts.worker_id)
-        self._stop = threading.Event()
         self._num_busy = 0
-        self.progress = StepProgress()
 
     def register(self) -> m.Register:
-        return m.Register(
-            worker_id=self.opts.worker_id, role="encode", pid=os.getpid(), host=socket.gethostname(),
-            model_name=self.opts.vision or "default", max_model_len=0, num_kv_blocks=0, block_size=0,
-        )
+        return self._register(model_name=self.opts.vision or "default", max_model_len=0, num_kv_blocks=0,
+                              block_size=0)
 
     def load(self) -> m.Load:
         cache = self.runner.cache
         return m.Load(num_running=self._num_busy, num_waiting=len(self.queue), num_free_blocks=0, num_used_blocks=0,
                       num_encoder_cache_hits=cache.num_hits, num_encoder_cache_bytes=cache.num_bytes)
 
-    def run(self) -> int:
-        freeze_startup_heap()  # the model, tokenizer and libraries: never garbage (epdserve/gc_heap.py)
-        self.sock.send(m.encode(self.register()))
-        start_heartbeats(self.ctx, self.opts.router, self.opts.worker_id, self.load, self.opts.heartbeat_s,
-                         self._stop, self.progress)
-        try:
-            while not self._stop.is_set():
-                timeout_ms = 0 if self.queue else 100
-                self.progress.end()
-                while self.sock.poll(timeout_ms, zmq.POLLIN):
-                    msg = recv_message(self.sock)
-                    if msg is not None:
-                        self._handle(msg)
-                    timeout_ms = 0
-                    if self._stop.is_set():
-                        return 0
-                if self.queue:
-                    self.progress.begin()
-                    self._encode_batch()
-        except Exception as e:
-            if not is_fatal(e):
-                raise
-            log.critical("fatal error, the encode worker exits with status %d", EXIT_FATAL, exc_info=True)
-            return EXIT_FATAL
-        finally:
-            self.close()
-        return 0
+    # -- messages ------------------------------------------------------------------------
+    def _handlers(self) -> dict[type, Handler]:
+        return {
+            **super()._handlers(),
+            MalformedFrame: self._on_malformed,
+            m.EncodeImage: lambda msg: self.queue.append(msg),  # self.queue is replaced on aborts
+            m.Abort: self._on_abort,
+            m.SlabUp: self._on_slab_up,
+            m.PeerDown: lambda msg: self._unmap(msg.worker_id),
+        }
 
-    def _handle(self, msg: m.Message | MalformedFrame) -> None:
-        """One message; an exception costs only its image (EncodeDone not ok), fatal ones raise."""
-        try:
-            self._dispatch(msg)
-        except Exception as e:
-            if is_fatal(e):
-                raise
-            log.exception("handling %s failed", type(msg).__name__)
-            if isinstance(msg, m.EncodeImage):  # not queued: answered here
-                self._reply(msg, False, reason=describe(e, "queueing the image"))
+    def _fail_message(self, msg: m.Message | MalformedFrame, exc: Exception) -> None:
+        """An exception costs only its image (EncodeDone not ok)."""
+        log.error("handling %s failed", type(msg).__name__, exc_info=exc)
+        if isinstance(msg, m.EncodeImage):  # not queued: answered here
+            self._reply(msg, False, reason=describe(exc, "queueing the image"))
 
-    def _dispatch(self, msg: m.Message | MalformedFrame) -> None:
-        if isinstance(msg, MalformedFrame):
-            if msg.kind == "EncodeImage" and msg.image_index >= 0:  # the router waits for its answer
-                self.sock.send(m.encode(m.EncodeDone(msg.request_id, msg.image_index, False, reason=msg.reason)))
-        elif isinstance(msg, m.EncodeImage):
-            self.queue.append(msg)
-        elif isinstance(msg, m.Abort):
-            kept = deque()
-            for job in self.queue:
-                if job.request_id == msg.request_id:
-                    self._reply(job, False, reason="aborted")
-                else:
-                    kept.append(job)
-            self.queue = kept
-        elif isinstance(msg, m.SlabUp):
-            old = self.slabs.pop(msg.worker_id, None)
-            if old is not None:
-                old.close()
-            try:
-                slab = msg.slab
-                if slab.transport == "tcp":
-                    self.slabs[msg.worker_id] = TcpSlabSender(
-                        slab.host, slab.port, slab.num_rows, slab.hidden_size, getattr(torch, slab.dtype)
-                    )
-                else:
-                    self.slabs[msg.worker_id] = EmbeddingSlab.attach(slab)
-            except (OSError, ValueError) as e:  # its jobs then fail one by one
-                log.warning("cannot map the slab of %s: %s", msg.worker_id, e)
-        elif isinstance(msg, m.PeerDown):
-            old = self.slabs.pop(msg.worker_id, None)
-            if old is not None:
-                old.close()
-        elif isinstance(msg, m.Reconcile):
-            # The router gave this worker up (lease, hung step) and failed its requests.
-            keep = set(msg.request_ids)
-            self.queue = deque(job for job in self.queue if job.request_id in keep)
-            self.sock.send(m.encode(self.register()))
-        elif isinstance(msg, m.Shutdown):
-            self._stop.set()
+    def _on_malformed(self, msg: MalformedFrame) -> None:
+        if msg.kind == "EncodeImage" and msg.image_index >= 0:  # the router waits for its answer
+            self._send(m.EncodeDone(msg.request_id, msg.image_index, False, reason=msg.reason))
+
+    def _on_abort(self, msg: m.Abort) -> None:
+        kept = deque()
+        for job in self.queue:
+            if job.request_id == msg.request_id:
+                self._reply(job, False, reason="aborted")
+            else:
+                kept.append(job)
+        self.queue = kept
+
+    def _on_slab_up(self, msg: m.SlabUp) -> None:
+        self._unmap(msg.worker_id)
+        try:
+            slab = msg.slab
+            if slab.transport == "tcp":
+                self.slabs[msg.worker_id] = TcpSlabSender(
+                    slab.host, slab.port, slab.num_rows, slab.hidden_size, getattr(torch, slab.dtype)
+                )
+            else:
+                self.slabs[msg.worker_id] = EmbeddingSlab.attach(slab)
+        except (OSError, ValueError) as e:  # its jobs then fail one by one
+            log.warning("cannot map the slab of %s: %s", msg.worker_id, e)
+
+    def _unmap(self, worker_id: str) -> None:
+        old = self.slabs.pop(worker_id, None)
+        if old is not None:
+            old.close()
+
+    def _forget_all_but(self, keep: set[str]) -> None:
+        self.queue = deque(job for job in self.queue if job.request_id in keep)
+
+    # -- the loop ------------------------------------------------------------------------
+    def _poll_timeout_ms(self) -> int:
+        return 0 if self.queue else 100
+
+    def _step(self) -> None:
+        if self.queue:
+            self.progress.begin()
+            self._encode_batch()
 
     def _encode_batch(self) -> None:
         batch = [self.queue.popleft() for _ in range(min(self.opts.max_batch_images, len(self.queue)))]
@@ -231,35 +196,18 @@ class EncodeWorker:
 
     def _reply(self, job: m.EncodeImage, ok: bool, result: EncodeResult | None = None, write_s: float = 0.0,
                num_bytes: int = 0, reason: str = "") -> None:
-        self.sock.send(m.encode(m.EncodeDone(
+        self._send(m.EncodeDone(
             job.request_id, job.image_index, ok,
             is_cache_hit=bool(result and result.is_cache_hit),
             encode_start=result.start if result else 0.0, encode_end=result.end if result else 0.0,
             write_s=write_s, num_bytes=num_bytes, reason=reason,
-        )))
+        ))
 
-    def close(self) -> None:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        self._stop.set()
+    def _release(self) -> None:
         for slab in self.slabs.values():
             slab.close()
         self.slabs.clear()
-        self.sock.close()
-        self.ctx.term()
-
-
-def _interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt
 
 
 def run_encode_worker(opts: EncodeWorkerOptions) -> int:
-    if opts.die_with_parent:
-        from epdserve.cluster.worker import _die_with_parent
-
-        _die_with_parent()
-    signal.signal(signal.SIGTERM, _interrupt)
-    worker = EncodeWorker(opts)
-    try:
-        return worker.run()
-    except KeyboardInterrupt:
-        return 0
+    return run_process(lambda: EncodeWorker(opts), opts.die_with_parent)

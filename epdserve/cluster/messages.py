@@ -174,7 +174,7 @@ class EmbeddingLanded(Msg):
     """Consumer (TCP slab): image ``image_index`` of the request has landed in its slab."""
 
     request_id: str
-    image_index: int
+    image_index: int | None  # None: the consumer dropped the request and lands nothing more of it
 
 
 class EncodeDone(Msg):
@@ -199,7 +199,7 @@ class ImageRef(msgspec.Struct, omit_defaults=True):
     length: int  # tokens in the span
     num_embeds: int  # of which image tokens (= embedding rows)
     content_hash: str
-    slab_offset: int = -1  # first row in the consumer's slab; -1: encode in-process from ``data``
+    slab_offset: int | None = None  # first row in the consumer's slab; None: encode in-process from ``data``
     data: bytes = b""  # the image file (in-process encoding only)
 
 

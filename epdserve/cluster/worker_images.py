@@ -60,11 +60,11 @@ class ConsumerImages:
         self._landed: list[tuple[str, int]] = []
         self._inline_jobs: deque[tuple[str, int, EncodeJob]] = deque()
         self._times: dict[str, _EncodeTimes] = {}  # in-process encoding, per request
-        dtype = engine.runner.kv_caches[0].dtype
+        dtype = engine.kv_dtype
         if opts.embed_slab_mb > 0:
             self._create_slab(dtype)
         else:
-            encoder = load_vision_encoder(model, dtype, engine.runner.device, vision=opts.vision, seed=seed)
+            encoder = load_vision_encoder(model, dtype, engine.device, vision=opts.vision, seed=seed)
             self.encoder = EncoderRunner(encoder, self.spec.policy, int(opts.encoder_cache_mb * (1 << 20)))
 
     def _create_slab(self, dtype: torch.dtype) -> None:
@@ -101,7 +101,7 @@ class ConsumerImages:
             if len(span) != ref.length or (positions is not None and len(positions) != ref.num_embeds):
                 raise InvalidRequestError(f"image span at {ref.offset} does not match the prompt")
             mm = MMInput(ref.offset, ref.length, ref.num_embeds, ref.content_hash, positions)
-            if ref.slab_offset >= 0:
+            if ref.slab_offset is not None:
                 if self.rows is None or ref.slab_offset + ref.num_embeds > self.rows.shape[0]:
                     raise InvalidRequestError("image rows lie outside this worker's embedding slab")
                 mm.embeds = self.rows[ref.slab_offset : ref.slab_offset + ref.num_embeds]
@@ -112,7 +112,7 @@ class ConsumerImages:
 
     def queue_inline(self, msg: m.Submit) -> None:
         for index, ref in enumerate(msg.images):
-            if ref.slab_offset < 0:
+            if ref.slab_offset is None:
                 self._inline_jobs.append((msg.request_id, index, EncodeJob(ref.content_hash, ref.data)))
 
     def abort(self, request_id: str) -> bool:

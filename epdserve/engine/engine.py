@@ -221,7 +221,13 @@ class LLMEngine(PDRoles):
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    @property
+    def last_num_scheduled(self) -> int:
+        """Requests the last step ran (0: all waiting, e.g. for images)."""
+        return len(self.last_plan.scheduled) if self.last_plan is not None else 0
+
     def load(self) -> EngineLoad:
+        """Queue lengths and KV block use, as a worker reports its load."""
         sched, cache = self.scheduler, self.kv_cache
         return EngineLoad(len(sched.running), len(sched.waiting), len(sched.reserved), len(sched.transferring),
                           cache.num_free_blocks(), cache.num_used_blocks())
@@ -253,11 +259,6 @@ class LLMEngine(PDRoles):
         """Drop the engine's references to its KV pages (before their memory is unmapped);
         the engine runs no step after this."""
         self.runner.release_kv_pages()
-
-    @property
-    def last_num_scheduled(self) -> int:
-        """Requests the last step ran (0: all waiting, e.g. for images)."""
-        return len(self.last_plan.scheduled) if self.last_plan is not None else 0
 
     # -- the loop ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

@@ -40,7 +40,6 @@ if TYPE_CHECKING:
     from epdserve.router.workers import WorkerInfo
 
 AFFINITY_SLACK = 2  # jobs an encoder may have beyond the least loaded and still get its images
-NOTHING_MORE_LANDS = -1  # EmbeddingLanded.image_index: the consumer dropped the request
 
 
 class PathOwner(Protocol):
@@ -205,13 +204,13 @@ class EncodeStage:
         self.maybe_free(path)
 
     def on_embedding_landed(self, msg: m.EmbeddingLanded) -> None:
-        """An image landed in a TCP slab; index -1: the consumer dropped the request and lands
+        """An image landed in a TCP slab; index None: the consumer dropped the request and lands
         nothing more of it."""
         path = self.owner.paths.get(msg.request_id)
         if path is None or path.mm is None:
             return
         mm = path.mm
-        if msg.image_index == NOTHING_MORE_LANDS:
+        if msg.image_index is None:
             mm.is_consumer_closed = True
             for index in mm.sent_indices:
                 mm.pending_jobs.pop(index, None)

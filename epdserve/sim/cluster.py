@@ -24,6 +24,7 @@ from epdserve.sim.config import SimConfig
 from epdserve.sim.instance import EncodeInstance, StepInstance
 from epdserve.sim.loop import ARRIVAL, EMBED_DONE, ENCODE_END, RESERVED, TRANSFER_DONE, SimLoop
 from epdserve.sim.results import Flight
+from epdserve.validate import InvalidFieldError, check_prompt_length
 
 __all__ = ["ClusterSim", "SimConfig"]
 
@@ -53,9 +54,10 @@ class ClusterSim(SimLoop):
         rejection = check_pending(len(self.flights), config.max_pending)
         if rejection is not None:
             return self._reject(index, num_prompt, rejection)
-        if num_prompt >= self.max_model_len:
-            return self.recorder.fail(index, now, num_prompt, f"400 prompt of {num_prompt} tokens is too long "
-                                      f"(max model length {self.max_model_len})", now)
+        try:
+            check_prompt_length(num_prompt, self.max_model_len)  # the edge's rule
+        except InvalidFieldError as e:
+            return self.recorder.fail(index, now, num_prompt, f"400 {e}", now)
         rid = str(index)
         first = self._pick("decode" if self.is_split else "colocated")
         rejection = check_worker_queue(first.worker, config.max_waiting_per_worker)

@@ -1,0 +1,159 @@
+"""A decode worker: reserves KV pages for prompts a prefill worker computes, then generates.
+
+Its KV pages live in shared memory (``shm``: prefill workers on this host write them directly)
+or behind a TCP listener (``tcp``); the endpoint it registers says which. ``Reserve`` takes
+blocks and opens a reservation in the fence (transfer/fence.py), so only writes of that
+reservation land; ``StartDecode`` starts the request once its KV is in place (over tcp: once
+its end marker landed). A reservation whose KV never lands expires after the lease.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import replace
+
+import msgspec
+import torch
+
+from epdserve.cluster import messages as m
+from epdserve.cluster.worker_base import Handler
+from epdserve.cluster.worker_llm import LLMWorker, WorkerOptions
+from epdserve.config import EngineArgs, resolve_device_name
+from epdserve.engine.engine import KVCacheAllocator
+from epdserve.roles import Role
+from epdserve.transfer.fence import ReservationFence
+from epdserve.transfer.shm_pool import SharedKVPool
+from epdserve.transfer.tcp import TcpKVReceiver
+
+log = logging.getLogger("epdserve.worker")
+
+
+class DecodeWorker(LLMWorker):
+    role = Role.DECODE
+    takes_images = False  # the prefill worker took the prompt's images
+
+    def __init__(self, opts: WorkerOptions, engine_args: EngineArgs) -> None:
+        if opts.kv_transport == "shm" and resolve_device_name(engine_args.device) != "cpu":
+            # Shared-memory pages are host memory; pages on an accelerator are reached over tcp.
+            log.info("KV pages on %s: prefill workers write them over tcp", engine_args.device)
+            opts = replace(opts, kv_transport="tcp")
+        self.pool: SharedKVPool | None = None
+        self.receiver: TcpKVReceiver | None = None
+        self._landed: set[str] = set()  # tcp: requests whose KV end marker arrived
+        self._landed_lock = threading.Lock()
+        self._pending_decode: dict[str, m.StartDecode] = {}
+        # Open reservations, request id -> (fence generation, monotonic time reserved).
+        self._reservations: dict[str, tuple[int, float]] = {}
+        super().__init__(opts, engine_args)
+        caches = self.engine.kv_caches
+        self.fence = ReservationFence(self.engine.num_kv_groups, caches[0].shape[1], shm=self.pool is not None)
+        self.endpoint = self._kv_endpoint()
+
+    # -- set-up --------------------------------------------------------------------------
+    def _kv_cache_allocator(self) -> KVCacheAllocator | None:
+        return self._shm_allocator if self.opts.kv_transport == "shm" else None
+
+    def _shm_allocator(self, shapes: list[tuple[int, ...]], dtype: torch.dtype) -> list[torch.Tensor]:
+        num_blocks, block_size = shapes[0][1], shapes[0][2]
+        self.pool = SharedKVPool.create(num_blocks, block_size, [s[3:] for s in shapes], dtype)
+        return self.pool.layers
+
+    def _kv_endpoint(self) -> m.KVEndpoint:
+        if self.pool is not None:
+            return msgspec.structs.replace(self.pool.endpoint(), fence_shm_name=self.fence.shm_name,
+                                           num_groups=self.fence.num_groups)
+        caches = list(self.engine.kv_caches)
+        self.receiver = TcpKVReceiver(caches, self._on_landed, self.fence, list(self.engine.kv_layer_to_group),
+                                      self.opts.kv_host)
+        return m.KVEndpoint(
+            transport="tcp", host=self.receiver.host, port=self.receiver.port,
+            num_blocks=caches[0].shape[1], block_size=caches[0].shape[2],
+            dtype=str(caches[0].dtype).removeprefix("torch."),
+            layer_shapes=[tuple(c.shape[3:]) for c in caches], num_groups=self.fence.num_groups,
+        )
+
+    def _on_landed(self, request_id: str) -> None:
+        """Receiver thread: the request's KV has landed."""
+        with self._landed_lock:
+            self._landed.add(request_id)
+        self._wake()
+
+    def _transfer_load(self) -> dict:
+        return {"num_kv_writes_refused": self.receiver.num_refused_frames if self.receiver else 0}
+
+    # -- messages ------------------------------------------------------------------------
+    def _handlers(self) -> dict[type, Handler]:
+        return {**super()._handlers(), m.Reserve: self._on_reserve, m.StartDecode: self._on_start_decode}
+
+    def _on_reserve(self, msg: m.Reserve) -> None:
+        block_ids = self.engine.reserve(msg.request_id, msg.num_prompt_tokens)
+        if block_ids is None:
+            self._send(m.Reserved(msg.request_id, False, reason="no free KV blocks"))
+            return
+        tables = [list(b) for b in block_ids]
+        generation = self.fence.open(tables)
+        self._reservations[msg.request_id] = (generation, time.monotonic())
+        self._send(m.Reserved(msg.request_id, True, tables, generation))
+
+    def _on_start_decode(self, msg: m.StartDecode) -> None:
+        self._pending_decode[msg.request_id] = msg
+
+    def _drop(self, request_id: str) -> None:
+        self._pending_decode.pop(request_id, None)
+        self._end_reservation(request_id)
+        super()._drop(request_id)
+
+    def _held_request_ids(self) -> set[str]:
+        return super()._held_request_ids() | set(self._reservations) | set(self._pending_decode)
+
+    def _end_reservation(self, request_id: str) -> None:
+        """The reservation's KV may no longer be written (landed, aborted or expired); call
+        before its blocks go back to the pool."""
+        reservation = self._reservations.pop(request_id, None)
+        if reservation is not None:
+            self.fence.close(reservation[0])
+
+    # -- the loop ------------------------------------------------------------------------
+    def _before_step(self) -> None:
+        """Start the requests whose KV is in place."""
+        super()._before_step()
+        if not self._pending_decode:
+            return
+        for request_id, msg in list(self._pending_decode.items()):
+            if self.opts.kv_transport == "tcp":
+                with self._landed_lock:
+                    if request_id not in self._landed:
+                        continue
+                    self._landed.discard(request_id)
+            del self._pending_decode[request_id]
+            self._end_reservation(request_id)
+            if not self.engine.is_reserved(request_id):
+                continue  # aborted meanwhile
+            self.engine.start_decode(request_id, msg.prompt_token_ids, msg.first_token_id, msg.sampling)
+
+    def _after_step(self) -> None:
+        """A reservation whose KV did not land within the lease: its blocks go back to the pool
+        (after the fence refuses its writes) and the router hears of it."""
+        super()._after_step()
+        if not self._reservations:
+            return
+        deadline = time.monotonic() - self.opts.reservation_lease_s
+        for request_id, (_, since) in list(self._reservations.items()):
+            if since < deadline:
+                self._pending_decode.pop(request_id, None)
+                self._end_reservation(request_id)
+                self.engine.release_reservation(request_id)
+                log.warning("reservation of %s expired after %g s", request_id, self.opts.reservation_lease_s)
+                self._send(m.ReservationExpired(request_id))
+
+    def _release(self) -> None:
+        if self.receiver is not None:
+            self.receiver.close()
+        if self.pool is not None:
+            self.engine.release_kv_pages()
+            self.pool.close()
+            self.pool = None
+        self.fence.close_all()
+        super()._release()
