@@ -27,10 +27,11 @@ import numpy as np
 
 from epdserve.engine.step_shape import StepShape
 from epdserve.errors import ConfigError
+from epdserve.roles import LLM_ROLES
 from epdserve.sim.nnls import nnls
 
 PROFILE_VERSION = 1
-STEP_ROLES = ("colocated", "prefill", "decode")
+STEP_ROLES = LLM_ROLES
 ENCODE_ROLE = "encode"
 
 

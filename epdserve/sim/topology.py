@@ -6,8 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from epdserve.errors import ConfigError
+from epdserve.roles import Role
 
-ROLES = ("encode", "prefill", "decode", "colocated")
+ROLES = (Role.ENCODE, Role.PREFILL, Role.DECODE, Role.COLOCATED)
 
 
 @dataclass(frozen=True)
