@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from collections.abc import Callable, Sequence
 
@@ -88,32 +87,6 @@ def _serve(ns: argparse.Namespace) -> int:
     return asyncio.run(serve(ns))
 
 
-def _worker(ns: argparse.Namespace) -> int:
-    from epdserve.cluster.worker import WorkerOptions, run_worker
-
-    cores = tuple(int(c) for c in ns.cores.split(",")) if ns.cores else ()
-    if ns.role == "encode":
-        from epdserve.cluster.encode_worker import EncodeWorkerOptions, run_encode_worker
-
-        return run_encode_worker(EncodeWorkerOptions(
-            router=ns.router, worker_id=ns.worker_id or f"encode-{os.getpid()}", model=ns.model,
-            vision=ns.vision, dtype=ns.dtype, device=ns.device, seed=ns.seed, cores=cores,
-            max_batch_images=ns.encode_batch_images, cache_bytes=int(ns.encoder_cache_mb * (1 << 20)),
-            die_with_parent=ns.die_with_parent,
-        ))
-    opts = WorkerOptions(
-        role=ns.role, router=ns.router, cores=cores, kv_transport=ns.kv_transport, kv_host=ns.kv_host,
-        layerwise=not ns.no_layerwise, die_with_parent=ns.die_with_parent,
-        reservation_lease_s=ns.reservation_lease,
-        stall_kv_transfers=ns.debug_stall_kv_transfers, vision=ns.vision, embed_slab_mb=ns.embed_slab_mb,
-        embed_transport=ns.embed_transport,
-        max_batch_images=ns.encode_batch_images, encoder_cache_mb=ns.encoder_cache_mb,
-        step_trace_dir=ns.step_trace_dir,
-        **({"worker_id": ns.worker_id} if ns.worker_id else {}),
-    )
-    return run_worker(opts, engine_args_from(ns))
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="epdserve", description="Disaggregated LLM serving: encode / prefill / decode.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -140,26 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(srv)
     srv.set_defaults(func=_serve)
 
-    wrk = sub.add_parser("worker", help="a worker that registers with a running router")
-    wrk.add_argument("--role", required=True, choices=("colocated", "prefill", "decode", "encode"))
-    wrk.add_argument("--router", required=True, help="the router's worker socket, tcp://HOST:PORT")
-    wrk.add_argument("--worker-id", default=None)
-    wrk.add_argument("--cores", default="", help="comma-separated CPU cores to pin to")
-    wrk.add_argument("--kv-transport", choices=("shm", "tcp"), default="shm", help="decode: how prefill reaches its KV pages")
-    wrk.add_argument("--kv-host", default="127.0.0.1", help="decode + tcp: address of the KV listener")
-    wrk.add_argument("--no-layerwise", action="store_true", help="prefill: push KV in bulk after prefill")
-    wrk.add_argument("--reservation-lease", type=float, default=120.0,
-                     help="decode: seconds a KV reservation waits for its KV before it expires")
-    wrk.add_argument("--vision", default=None, help="take images with this vision tower: 'default' or 'smolvlm-256m' (seeded), 'checkpoint' (the model directory's own)")
-    wrk.add_argument("--embed-slab-mb", type=float, default=0.0, help="prefill/colocated: embedding slab for encode workers (0: encode in-process)")
-    wrk.add_argument("--embed-transport", choices=("shm", "tcp"), default="shm", help="how encode workers reach the slab")
-    wrk.add_argument("--encode-batch-images", type=int, default=1, help="images per encoder forward pass")
-    wrk.add_argument("--encoder-cache-mb", type=float, default=256.0, help="content-hash embedding cache")
-    wrk.add_argument("--step-trace-dir", default=None, help="write every model step to DIR/<worker id>.jsonl (for epdserve calibrate)")
-    wrk.add_argument("--die-with-parent", action="store_true", help=argparse.SUPPRESS)
-    wrk.add_argument("--debug-stall-kv-transfers", action="store_true", help=argparse.SUPPRESS)
-    add_engine_args(wrk)
-    wrk.set_defaults(func=_worker)
+    from epdserve.cluster.worker_cli import add_worker_parser
+
+    add_worker_parser(sub)
 
     from epdserve.bench.cli import add_bench_parser
 

@@ -52,3 +52,23 @@ def get_api_key() -> str | None:
     (``--api-key`` overrides it), and the key the experiments' launcher sends."""
     value = os.environ.get(EPDSERVE_API_KEY, "").strip()
     return value or None
+
+
+EPDSERVE_CLUSTER_KEY = "EPDSERVE_CLUSTER_KEY"
+
+
+def get_cluster_key() -> str | None:
+    """``$EPDSERVE_CLUSTER_KEY`` when set and non-empty: the cluster secret (64 hex digits) a
+    worker proves to the router and its peers (epdserve/auth.py)."""
+    value = os.environ.get(EPDSERVE_CLUSTER_KEY, "").strip()
+    return value or None
+
+
+EPDSERVE_NODE_ID = "EPDSERVE_NODE_ID"
+
+
+def get_node_id() -> str | None:
+    """``$EPDSERVE_NODE_ID`` when set: the node this process runs on, as the cluster names it
+    (a Ray node id); workers on the same node write each other's memory directly."""
+    value = os.environ.get(EPDSERVE_NODE_ID, "").strip()
+    return value or None

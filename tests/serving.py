@@ -24,6 +24,7 @@ class Server:
     log_dir: str
     api_key: str | None = None
     step_trace_dir: Path | None = None  # set by tests that serve with --step-trace-dir
+    key_file: Path | None = None  # the cluster secret, for workers a test starts by hand
 
     @property
     def client(self) -> httpx.Client:
@@ -62,7 +63,8 @@ def start_server(args: list[str], log_dir: str, timeout_s: float = 180.0) -> Ser
     ready line, output drained to a file so the pipe never fills)."""
     running = launch.start_server(args, Path(log_dir), timeout_s)
     api_key = args[args.index("--api-key") + 1] if "--api-key" in args else None
-    return Server(running.process, running.url, running.router_address, log_dir, api_key)
+    return Server(running.process, running.url, running.router_address, log_dir, api_key,
+                  key_file=running.key_file)
 
 
 def stop_server(server: Server) -> None:

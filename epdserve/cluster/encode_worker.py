@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -29,6 +29,7 @@ from epdserve.engine.failures import describe, is_fatal
 from epdserve.errors import ConfigError
 from epdserve.models.multimodal import load_multimodal_spec, load_vision_encoder
 from epdserve.roles import Role
+from epdserve.transfer.locality import pick_transport
 from epdserve.transfer.slab import EmbeddingSlab
 from epdserve.transfer.slab_tcp import TcpSlabSender
 
@@ -49,6 +50,7 @@ class EncodeWorkerOptions:
     cache_bytes: int = 256 << 20  # content-hash embedding cache
     heartbeat_s: float = 0.2
     die_with_parent: bool = False
+    cluster_key: bytes = field(default=b"", repr=False)  # the cluster secret (epdserve/auth.py)
 
     def __post_init__(self) -> None:
         if self.max_batch_images < 1:
@@ -61,7 +63,7 @@ class EncodeWorker(WorkerBase):
     role = Role.ENCODE
 
     def __init__(self, opts: EncodeWorkerOptions) -> None:
-        super().__init__(opts.router, opts.worker_id, opts.cores, opts.heartbeat_s)
+        super().__init__(opts.router, opts.worker_id, opts.cluster_key, opts.cores, opts.heartbeat_s)
         self.opts = opts
         device_name = resolve_device_name(opts.device)
         dtype = getattr(torch, resolve_dtype_name(opts.dtype, device_name))
@@ -116,9 +118,10 @@ class EncodeWorker(WorkerBase):
         self._unmap(msg.worker_id)
         try:
             slab = msg.slab
-            if slab.transport == "tcp":
+            # The consumer's shared slab when it runs on this node, else its TCP listener.
+            if pick_transport(slab.transport, slab.shm_name, slab.port, slab.node) == "tcp":
                 self.slabs[msg.worker_id] = TcpSlabSender(
-                    slab.host, slab.port, slab.num_rows, slab.hidden_size, getattr(torch, slab.dtype)
+                    slab.host, slab.port, slab.num_rows, slab.hidden_size, getattr(torch, slab.dtype), self.key
                 )
             else:
                 self.slabs[msg.worker_id] = EmbeddingSlab.attach(slab)
@@ -192,15 +195,16 @@ class EncodeWorker(WorkerBase):
                 slab.close()
             self._reply(job, False, result=result, reason=f"cannot write the embedding: {e}")
             return
-        self._reply(job, True, result=result, write_s=time.perf_counter() - write_start, num_bytes=num_bytes)
+        self._reply(job, True, result=result, write_s=time.perf_counter() - write_start, num_bytes=num_bytes,
+                    via_tcp=isinstance(slab, TcpSlabSender))
 
     def _reply(self, job: m.EncodeImage, ok: bool, result: EncodeResult | None = None, write_s: float = 0.0,
-               num_bytes: int = 0, reason: str = "") -> None:
+               num_bytes: int = 0, reason: str = "", via_tcp: bool = False) -> None:
         self._send(m.EncodeDone(
             job.request_id, job.image_index, ok,
             is_cache_hit=bool(result and result.is_cache_hit),
             encode_start=result.start if result else 0.0, encode_end=result.end if result else 0.0,
-            write_s=write_s, num_bytes=num_bytes, reason=reason,
+            write_s=write_s, num_bytes=num_bytes, reason=reason, via_tcp=via_tcp,
         ))
 
     def _release(self) -> None:

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from epdserve.engine.failures import EXIT_FATAL
+from epdserve.envs import EPDSERVE_CLUSTER_KEY
 from epdserve.errors import ConfigError
 
 log = logging.getLogger("epdserve.local")
@@ -29,6 +30,7 @@ class WorkerLaunch:
     cores: tuple[int, ...]
     worker_args: tuple[str, ...]
     log_path: str | None = None
+    cluster_key: bytes = field(default=b"", repr=False)  # handed over in the environment, never argv
 
 
 @dataclass
@@ -65,9 +67,11 @@ def spawn_worker(
     cores: tuple[int, ...],
     worker_args: list[str],
     log_path: str | None = None,
+    cluster_key: bytes = b"",
 ) -> LocalWorker:
     """Start ``epdserve worker`` as a child that dies with this process."""
-    return start_worker(WorkerLaunch(worker_id, role, router_address, cores, tuple(worker_args), log_path))
+    return start_worker(WorkerLaunch(worker_id, role, router_address, cores, tuple(worker_args), log_path,
+                                     cluster_key))
 
 
 def start_worker(launch: WorkerLaunch) -> LocalWorker:
@@ -78,8 +82,9 @@ def start_worker(launch: WorkerLaunch) -> LocalWorker:
     ]
     out = open(launch.log_path, "ab") if launch.log_path else None
     try:
+        env = {**os.environ, EPDSERVE_CLUSTER_KEY: launch.cluster_key.hex()} if launch.cluster_key else None
         process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if out else None,
-                                   stdin=subprocess.DEVNULL)
+                                   stdin=subprocess.DEVNULL, env=env)
     finally:
         if out is not None:
             out.close()

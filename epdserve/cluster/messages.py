@@ -163,6 +163,7 @@ class TransferDone(Msg):
     exposed_s: float = 0.0  # transfer time not hidden behind prefill compute
     blocking_s: float = 0.0  # of which the prefill worker's compute thread spent moving bytes
     reason: str = ""
+    transport: str = ""  # how the KV went: "shm" (same node) or "tcp"
 
 
 class RequestFailed(Msg):
@@ -189,6 +190,7 @@ class EncodeDone(Msg):
     write_s: float = 0.0  # copying the rows into the slab
     num_bytes: int = 0
     reason: str = ""
+    via_tcp: bool = False  # sent over TCP: it has landed once the consumer says so
 
 
 # -- router -> worker --------------------------------------------------------------------
@@ -254,6 +256,7 @@ class StartDecode(Msg):
     prompt_token_ids: list[int]
     first_token_id: int
     sampling: SamplingParams
+    kv_via_tcp: bool = False  # the KV came over TCP: start once its end marker has landed
 
 
 class Abort(Msg):

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import msgspec
 import zmq
 
+from epdserve.auth import make_curve_client
 from epdserve.cluster import messages as m
 
 log = logging.getLogger("epdserve.worker")
@@ -28,9 +29,11 @@ SEND_HWM = 100_000  # messages queued for the router at most
 SEND_TIMEOUT_MS = 10_000
 
 
-def connect_to_router(ctx: zmq.Context, router: str, identity: str) -> zmq.Socket:
-    """A DEALER socket to the router's ``tcp://HOST:PORT``, named ``identity``."""
+def connect_to_router(ctx: zmq.Context, router: str, identity: str, key: bytes) -> zmq.Socket:
+    """A DEALER socket to the router's ``tcp://HOST:PORT``, named ``identity``, proving the
+    cluster secret ``key`` (CURVE; a router without it is never talked to)."""
     sock = ctx.socket(zmq.DEALER)
+    make_curve_client(sock, key)
     sock.setsockopt(zmq.IDENTITY, identity.encode())
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, SEND_HWM)
@@ -98,14 +101,14 @@ class StepProgress:
 
 
 def start_heartbeats(
-    ctx: zmq.Context, router: str, worker_id: str, load: Callable[[], m.Load], period_s: float,
+    ctx: zmq.Context, router: str, worker_id: str, key: bytes, load: Callable[[], m.Load], period_s: float,
     stop: threading.Event, progress: StepProgress | None = None,
 ) -> threading.Thread:
     """Send ``Heartbeat(worker_id, load(), progress)`` every ``period_s`` seconds until ``stop``
     is set."""
 
     def beat() -> None:
-        sock = connect_to_router(ctx, router, f"{worker_id}/hb")
+        sock = connect_to_router(ctx, router, f"{worker_id}/hb", key)
         while not stop.wait(period_s):
             try:
                 num_steps, age_s = (progress.num_steps, progress.age_s) if progress else (0, 0.0)

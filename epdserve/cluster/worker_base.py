@@ -47,13 +47,17 @@ class WorkerBase:
 
     role: Role
 
-    def __init__(self, router: str, worker_id: str, cores: tuple[int, ...] = (), heartbeat_s: float = 0.2) -> None:
-        """``cores``: CPU cores to pin the process (and torch's threads) to; () leaves it as is."""
+    def __init__(self, router: str, worker_id: str, key: bytes, cores: tuple[int, ...] = (),
+                 heartbeat_s: float = 0.2) -> None:
+        """``key``: the cluster secret (epdserve/auth.py) this worker proves to the router and
+        its peers; ``cores``: CPU cores to pin the process (and torch's threads) to; () leaves
+        it as is."""
         if cores:
             os.sched_setaffinity(0, cores)
             torch.set_num_threads(len(cores))
         self.router = router
         self.worker_id = worker_id
+        self.key = key
         self.heartbeat_s = heartbeat_s
         self.progress = StepProgress()
         self._stop = threading.Event()
@@ -135,16 +139,16 @@ class WorkerBase:
     def run(self) -> int:
         """Register, beat, and loop until ``Shutdown`` (0) or a fatal error (``EXIT_FATAL``)."""
         self.ctx = zmq.Context()
-        self.sock = connect_to_router(self.ctx, self.router, self.worker_id)
-        freeze_startup_heap()  # the model, tokenizer and libraries: never garbage (epdserve/gc_heap.py)
-        self._send(self.register())
-        start_heartbeats(self.ctx, self.router, self.worker_id, self.load, self.heartbeat_s, self._stop,
-                         self.progress)
-        poller = zmq.Poller()
-        poller.register(self.sock, zmq.POLLIN)
-        for fd in self._wake_fds():
-            poller.register(fd, zmq.POLLIN)
         try:
+            self.sock = connect_to_router(self.ctx, self.router, self.worker_id, self.key)
+            freeze_startup_heap()  # the model, tokenizer and libraries: never garbage (epdserve/gc_heap.py)
+            self._send(self.register())
+            start_heartbeats(self.ctx, self.router, self.worker_id, self.key, self.load, self.heartbeat_s,
+                             self._stop, self.progress)
+            poller = zmq.Poller()
+            poller.register(self.sock, zmq.POLLIN)
+            for fd in self._wake_fds():
+                poller.register(fd, zmq.POLLIN)
             while not self._stop.is_set():
                 timeout_ms = self._poll_timeout_ms()
                 self.progress.end()

@@ -1,10 +1,12 @@
 """A decode worker: reserves KV pages for prompts a prefill worker computes, then generates.
 
-Its KV pages live in shared memory (``shm``: prefill workers on this host write them directly)
-or behind a TCP listener (``tcp``); the endpoint it registers says which. ``Reserve`` takes
-blocks and opens a reservation in the fence (transfer/fence.py), so only writes of that
-reservation land; ``StartDecode`` starts the request once its KV is in place (over tcp: once
-its end marker landed). A reservation whose KV never lands expires after the lease.
+Its KV pages live in shared memory, which prefill workers on its node write directly, and
+behind a TCP listener for prefill workers on other nodes (``auto``; ``shm`` or ``tcp`` offer
+only one); the endpoint it registers says what it offers. ``Reserve`` takes blocks and opens a
+reservation in the fence (transfer/fence.py), so only writes of that reservation land;
+``StartDecode`` starts the request once its KV is in place (KV that came over TCP: once its
+end marker landed). A reservation whose KV never lands expires after the lease; one that a
+peer's frame broke (it named blocks outside it, or more tokens than it holds) fails at once.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from epdserve.config import EngineArgs, resolve_device_name
 from epdserve.engine.engine import KVCacheAllocator
 from epdserve.roles import Role
 from epdserve.transfer.fence import ReservationFence
+from epdserve.transfer.locality import this_node
 from epdserve.transfer.shm_pool import SharedKVPool
 from epdserve.transfer.tcp import TcpKVReceiver
 
@@ -35,7 +38,7 @@ class DecodeWorker(LLMWorker):
     takes_images = False  # the prefill worker took the prompt's images
 
     def __init__(self, opts: WorkerOptions, engine_args: EngineArgs) -> None:
-        if opts.kv_transport == "shm" and resolve_device_name(engine_args.device) != "cpu":
+        if opts.kv_transport != "tcp" and resolve_device_name(engine_args.device) != "cpu":
             # Shared-memory pages are host memory; pages on an accelerator are reached over tcp.
             log.info("KV pages on %s: prefill workers write them over tcp", engine_args.device)
             opts = replace(opts, kv_transport="tcp")
@@ -43,6 +46,7 @@ class DecodeWorker(LLMWorker):
         self.receiver: TcpKVReceiver | None = None
         self._landed: set[str] = set()  # tcp: requests whose KV end marker arrived
         self._landed_lock = threading.Lock()
+        self._refused: list[tuple[str, str]] = []  # (request id, why): frames the receiver refused
         self._pending_decode: dict[str, m.StartDecode] = {}
         # Open reservations, request id -> (fence generation, monotonic time reserved).
         self._reservations: dict[str, tuple[int, float]] = {}
@@ -53,7 +57,7 @@ class DecodeWorker(LLMWorker):
 
     # -- set-up --------------------------------------------------------------------------
     def _kv_cache_allocator(self) -> KVCacheAllocator | None:
-        return self._shm_allocator if self.opts.kv_transport == "shm" else None
+        return self._shm_allocator if self.opts.kv_transport in ("shm", "auto") else None
 
     def _shm_allocator(self, shapes: list[tuple[int, ...]], dtype: torch.dtype) -> list[torch.Tensor]:
         num_blocks, block_size = shapes[0][1], shapes[0][2]
@@ -61,23 +65,32 @@ class DecodeWorker(LLMWorker):
         return self.pool.layers
 
     def _kv_endpoint(self) -> m.KVEndpoint:
-        if self.pool is not None:
-            return msgspec.structs.replace(self.pool.endpoint(), fence_shm_name=self.fence.shm_name,
-                                           num_groups=self.fence.num_groups)
         caches = list(self.engine.kv_caches)
+        if self.pool is not None:
+            endpoint = msgspec.structs.replace(self.pool.endpoint(), fence_shm_name=self.fence.shm_name)
+        else:
+            endpoint = m.KVEndpoint(
+                transport="tcp", num_blocks=caches[0].shape[1], block_size=caches[0].shape[2],
+                dtype=str(caches[0].dtype).removeprefix("torch."), layer_shapes=[tuple(c.shape[3:]) for c in caches],
+            )
+        endpoint = msgspec.structs.replace(endpoint, transport=self.opts.kv_transport, node=this_node(),
+                                           num_groups=self.fence.num_groups)
+        if self.opts.kv_transport == "shm":
+            return endpoint
         self.receiver = TcpKVReceiver(caches, self._on_landed, self.fence, list(self.engine.kv_layer_to_group),
-                                      self.opts.kv_host)
-        return m.KVEndpoint(
-            transport="tcp", host=self.receiver.host, port=self.receiver.port,
-            num_blocks=caches[0].shape[1], block_size=caches[0].shape[2],
-            dtype=str(caches[0].dtype).removeprefix("torch."),
-            layer_shapes=[tuple(c.shape[3:]) for c in caches], num_groups=self.fence.num_groups,
-        )
+                                      self.key, self.opts.kv_host, self._on_refused)
+        return msgspec.structs.replace(endpoint, host=self.receiver.host, port=self.receiver.port)
 
     def _on_landed(self, request_id: str) -> None:
         """Receiver thread: the request's KV has landed."""
         with self._landed_lock:
             self._landed.add(request_id)
+        self._wake()
+
+    def _on_refused(self, request_id: str, reason: str) -> None:
+        """Receiver thread: a frame for ``request_id`` failed its checks (nothing was written)."""
+        with self._landed_lock:
+            self._refused.append((request_id, reason))
         self._wake()
 
     def _transfer_load(self) -> dict:
@@ -93,7 +106,7 @@ class DecodeWorker(LLMWorker):
             self._send(m.Reserved(msg.request_id, False, reason="no free KV blocks"))
             return
         tables = [list(b) for b in block_ids]
-        generation = self.fence.open(tables)
+        generation = self.fence.open(tables, msg.request_id)
         self._reservations[msg.request_id] = (generation, time.monotonic())
         self._send(m.Reserved(msg.request_id, True, tables, generation))
 
@@ -119,10 +132,18 @@ class DecodeWorker(LLMWorker):
     def _before_step(self) -> None:
         """Start the requests whose KV is in place."""
         super()._before_step()
+        if self._refused:
+            with self._landed_lock:
+                refused, self._refused = self._refused, []
+            for request_id, reason in refused:
+                if request_id in self._reservations:  # fails once; its blocks go back to the pool
+                    self._drop(request_id)
+                    self.engine.release_reservation(request_id)
+                    self._fail_request(request_id, f"a KV frame was refused: {reason}")
         if not self._pending_decode:
             return
         for request_id, msg in list(self._pending_decode.items()):
-            if self.opts.kv_transport == "tcp":
+            if msg.kv_via_tcp:
                 with self._landed_lock:
                     if request_id not in self._landed:
                         continue

@@ -11,8 +11,9 @@ from __future__ import annotations
 import threading
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import msgspec
 import torch
 
 from epdserve.cluster import messages as m
@@ -20,6 +21,7 @@ from epdserve.engine.encoder_runner import EncodeJob, EncoderRunner
 from epdserve.engine.engine import LLMEngine, RequestOutput
 from epdserve.errors import InvalidRequestError
 from epdserve.request import MMInput
+from epdserve.transfer.locality import this_node
 from epdserve.transfer.slab import EmbeddingSlab
 from epdserve.transfer.slab_tcp import TcpSlabReceiver
 
@@ -28,10 +30,11 @@ from epdserve.transfer.slab_tcp import TcpSlabReceiver
 class ImageOptions:
     vision: str  # tower name ("default", "smolvlm-256m", "checkpoint")
     embed_slab_mb: float  # > 0: a slab for encode workers; 0: encode in-process
-    embed_transport: str  # "shm" | "tcp"
+    embed_transport: str  # "auto" (shared memory for encode workers on this node, TCP for others), "shm", "tcp"
     listen_host: str  # tcp: address of the slab listener
     max_batch_images: int  # in-process encoder: images per forward pass
     encoder_cache_mb: float
+    cluster_key: bytes = field(default=b"", repr=False)  # what the slab listener asks peers to prove
 
 
 @dataclass
@@ -71,14 +74,19 @@ class ConsumerImages:
         hidden = self.spec.hidden_size
         itemsize = torch.tensor([], dtype=dtype).element_size()
         num_rows = max(1, int(self.opts.embed_slab_mb * (1 << 20)) // (hidden * itemsize))
-        if self.opts.embed_transport == "shm":
+        transport = self.opts.embed_transport
+        if transport in ("shm", "auto"):
             self.slab = EmbeddingSlab.create(num_rows, hidden, dtype)
             self.rows, self.endpoint = self.slab.rows, self.slab.endpoint()
-            return
-        self.rows = torch.zeros(num_rows, hidden, dtype=dtype)
-        self.receiver = TcpSlabReceiver(self.rows, self._on_landed, self._accepts, self.lock, self.opts.listen_host)
-        self.endpoint = m.SlabEndpoint("tcp", host=self.receiver.host, port=self.receiver.port, num_rows=num_rows,
-                                       hidden_size=hidden, dtype=str(dtype).removeprefix("torch."))
+        else:
+            self.rows = torch.zeros(num_rows, hidden, dtype=dtype)
+            self.endpoint = m.SlabEndpoint("tcp", num_rows=num_rows, hidden_size=hidden,
+                                           dtype=str(dtype).removeprefix("torch."))
+        self.endpoint = msgspec.structs.replace(self.endpoint, transport=transport, node=this_node())
+        if transport in ("tcp", "auto"):
+            self.receiver = TcpSlabReceiver(self.rows, self._on_landed, self._accepts, self.lock,
+                                            self.opts.cluster_key, self.opts.listen_host)
+            self.endpoint = msgspec.structs.replace(self.endpoint, host=self.receiver.host, port=self.receiver.port)
 
     @property
     def can_encode(self) -> bool:

@@ -26,6 +26,7 @@ from epdserve.engine.failures import describe, is_fatal
 from epdserve.errors import EpdserveError, InvalidRequestError
 from epdserve.request import MMInput
 from epdserve.roles import LLM_ROLES, Role
+from epdserve.transfer.locality import TRANSPORTS
 
 ROLES = tuple(str(role) for role in LLM_ROLES)
 log = logging.getLogger("epdserve.worker")
@@ -37,8 +38,11 @@ class WorkerOptions:
     router: str  # tcp://host:port of the router's worker socket
     worker_id: str = field(default_factory=lambda: f"w-{uuid.uuid4().hex[:8]}")
     cores: tuple[int, ...] = ()  # CPU cores to pin to; () = leave as is
-    kv_transport: str = "shm"  # decode: how prefill workers reach its pages
-    kv_host: str = "127.0.0.1"  # decode + tcp: address its KV listener binds
+    # Decode: how prefill workers reach its pages: its pool in shared memory for those on its
+    # node and a TCP listener for the others ("auto"), or only one of them.
+    kv_transport: str = "auto"
+    kv_host: str = "127.0.0.1"  # the address its KV (decode) or slab (consumer) listener binds and offers
+    cluster_key: bytes = field(default=b"", repr=False)  # the cluster secret (epdserve/auth.py)
     layerwise: bool = True  # prefill: push KV layer by layer (False: bulk after prefill)
     heartbeat_s: float = 0.2
     reservation_lease_s: float = 120.0  # decode: a reservation whose KV never lands expires
@@ -48,7 +52,7 @@ class WorkerOptions:
     # takes embeddings from encode workers; without one it encodes images itself.
     vision: str | None = None
     embed_slab_mb: float = 0.0
-    embed_transport: str = "shm"  # how encode workers reach the slab: shm (same host) or tcp
+    embed_transport: str = "auto"  # how encode workers reach the slab (as kv_transport)
     max_batch_images: int = 1  # in-process encoder: images per forward pass
     encoder_cache_mb: float = 256.0
     step_trace_dir: str | None = None  # write every model step to DIR/<worker id>.jsonl (step_trace.py)
@@ -56,10 +60,11 @@ class WorkerOptions:
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise EpdserveError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
-        if self.kv_transport not in ("shm", "tcp"):
-            raise EpdserveError(f"kv transport must be shm or tcp, got {self.kv_transport!r}")
-        if self.embed_transport not in ("shm", "tcp"):
-            raise EpdserveError(f"embedding transport must be shm or tcp, got {self.embed_transport!r}")
+        if self.kv_transport not in TRANSPORTS:
+            raise EpdserveError(f"kv transport must be one of {', '.join(TRANSPORTS)}, got {self.kv_transport!r}")
+        if self.embed_transport not in TRANSPORTS:
+            raise EpdserveError(f"embedding transport must be one of {', '.join(TRANSPORTS)}, "
+                                f"got {self.embed_transport!r}")
 
 
 class LLMWorker(WorkerBase):
@@ -70,7 +75,7 @@ class LLMWorker(WorkerBase):
     endpoint: m.KVEndpoint | None = None  # decode: where prefill workers write its KV pages
 
     def __init__(self, opts: WorkerOptions, engine_args: EngineArgs) -> None:
-        super().__init__(opts.router, opts.worker_id, opts.cores, opts.heartbeat_s)
+        super().__init__(opts.router, opts.worker_id, opts.cluster_key, opts.cores, opts.heartbeat_s)
         self.opts = opts
         self.engine = LLMEngine(engine_args, kv_cache_allocator=self._kv_cache_allocator())
         self._step_trace = (StepTrace(opts.step_trace_dir, opts.worker_id, opts.role, torch.get_num_threads())
@@ -80,7 +85,7 @@ class LLMWorker(WorkerBase):
         self.images: ConsumerImages | None = None
         if opts.vision is not None and self.takes_images:
             image_opts = ImageOptions(opts.vision, opts.embed_slab_mb, opts.embed_transport, opts.kv_host,
-                                      opts.max_batch_images, opts.encoder_cache_mb)
+                                      opts.max_batch_images, opts.encoder_cache_mb, opts.cluster_key)
             self.images = ConsumerImages(image_opts, self.engine, engine_args.model, engine_args.seed, self._wake)
 
     def _kv_cache_allocator(self) -> KVCacheAllocator | None:

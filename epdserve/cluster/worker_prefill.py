@@ -43,7 +43,7 @@ class PrefillWorker(LLMWorker):
 
     def _on_peer_up(self, msg: m.PeerUp) -> None:
         try:
-            self.pusher.add_peer(msg.worker_id, msg.endpoint)
+            self.pusher.add_peer(msg.worker_id, msg.endpoint, self.key)
         except (OSError, ValueError) as e:
             # Transfers to this peer then fail one by one; the worker keeps serving.
             log.warning("cannot reach decode worker %s: %s", msg.worker_id, e)
@@ -96,7 +96,7 @@ class PrefillWorker(LLMWorker):
             self._prefill_ids.discard(stats.request_id)
             self._send(m.TransferDone(
                 stats.request_id, stats.ok, stats.kv_bytes, stats.start, stats.end, stats.exposed_s,
-                stats.blocking_s, "" if stats.ok else "KV transfer failed",
+                stats.blocking_s, "" if stats.ok else "KV transfer failed", stats.transport,
             ))
 
     def _release(self) -> None:

@@ -4,6 +4,10 @@ Sends never wait: a message for a worker that is not connected or whose queue is
 at once (ROUTER_MANDATORY) and the caller decides what that costs (``post`` says False;
 ``submit`` turns it into a 503 for the request it was starting). Frames are checked on the
 way in: one frame of a known message, or it is dropped with a warning.
+
+The socket is a CURVE server (epdserve/auth.py): only a peer holding the cluster secret
+completes the handshake, so every frame read here comes from a member of the cluster; the
+dispatcher then checks that a member speaks only for itself.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from epdserve.auth import CurveGate, make_curve_server
 from epdserve.cluster import messages as m
 from epdserve.router.admission import Overloaded, unreachable
 
@@ -24,9 +29,12 @@ SEND_HWM = 100_000  # messages queued for one worker at most; then sends to it f
 
 
 class WorkerChannel:
-    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(self, key: bytes, host: str = "127.0.0.1", port: int = 0) -> None:
+        """``host``: the address workers connect to (bind ``0.0.0.0`` for every interface)."""
         self.ctx = zmq.asyncio.Context()
+        self.gate = CurveGate(self.ctx, key)
         self.sock = self.ctx.socket(zmq.ROUTER)
+        make_curve_server(self.sock, key)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted worker takes over its id
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -80,4 +88,5 @@ class WorkerChannel:
 
     def close(self) -> None:
         self.sock.close()
+        self.gate.stop()
         self.ctx.term()

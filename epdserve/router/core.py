@@ -38,12 +38,15 @@ log = logging.getLogger("epdserve.router")
 
 
 class Router:
-    def __init__(self, config: RouterConfig | None = None, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(self, key: bytes, config: RouterConfig | None = None, host: str = "127.0.0.1",
+                 port: int = 0) -> None:
+        """``key``: the cluster secret workers prove (epdserve/auth.py); ``host``/``port``: where
+        the worker socket binds."""
         self.config = config or RouterConfig()
         self.registry = WorkerRegistry(self.config.routing)
         self.metrics = RouterMetrics()
         self.gc_observer = GCPauseObserver(self.metrics.observe_gc_pause)
-        self.channel = WorkerChannel(host, port)
+        self.channel = WorkerChannel(key, host, port)
         self.address = self.channel.address
         self.flow = RequestFlow(self.config, self.channel, self.registry, self.metrics)
         self.encode = self.flow.encode

@@ -10,6 +10,11 @@ and its step loop moves (a heartbeat says how long the current step has run; pas
 once, it gets no new ones, and when its heartbeats come back it is sent a Reconcile (drop what
 the router failed) and is READY again when it registers anew. A local worker whose process
 exits is DEAD at once (pidfd), without waiting for the lease (workers.py draws the states).
+
+A worker speaks only for itself: the channel admits members of the cluster (CURVE), and here
+a message must come from the socket of the worker it names (its heartbeats from
+``<id>/hb``), from a registered worker, and about a request the router gave that worker;
+anything else is dropped (``_is_from_its_worker``).
 """
 
 from __future__ import annotations
@@ -43,6 +48,8 @@ class Dispatcher:
         self._pidfds: dict[str, int] = {}
 
     def handle(self, sender: str, msg: m.Message) -> None:
+        if not self._is_from_its_worker(sender, msg):
+            return
         flow, encode = self.flow, self.encode
         match msg:
             case m.Heartbeat():
@@ -65,6 +72,34 @@ class Dispatcher:
                 encode.on_embedding_landed(msg)
             case _:
                 log.warning("dropping %s from %s: not a message a worker sends", type(msg).__name__, sender)
+
+    def _is_from_its_worker(self, sender: str, msg: m.Message) -> bool:
+        """Whether ``sender`` (the socket's identity) may send ``msg``."""
+        worker_id = sender.removesuffix("/hb") if isinstance(msg, m.Heartbeat) else sender
+        claimed = getattr(msg, "worker_id", None)
+        if claimed is not None and claimed != worker_id:
+            log.warning("dropping %s from %s: it speaks for worker %r", type(msg).__name__, sender, claimed)
+            return False
+        if isinstance(msg, m.Register):
+            return True
+        worker = self.registry.get(worker_id)
+        if worker is None:
+            log.warning("dropping %s from %s: not a registered worker", type(msg).__name__, sender)
+            return False
+        request_id = getattr(msg, "request_id", None)
+        path = self.flow.paths.get(request_id) if request_id is not None else None
+        if path is None:
+            return True  # a request the router no longer tracks: its handler ignores it
+        if isinstance(msg, m.EncodeDone):  # the encode stage matches it to its job
+            allowed = worker.role == Role.ENCODE
+        elif isinstance(msg, m.EmbeddingLanded):
+            allowed = path.mm is not None and path.mm.consumer == worker_id
+        else:
+            allowed = worker_id in path.workers
+        if not allowed:
+            log.warning("dropping %s of %s from %s: not a worker of that request", type(msg).__name__,
+                        request_id, sender)
+        return allowed
 
     # -- membership ----------------------------------------------------------------------
     def _on_register(self, msg: m.Register) -> None:

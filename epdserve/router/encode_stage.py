@@ -181,7 +181,7 @@ class EncodeStage:
         path = self.owner.paths.get(msg.request_id)
         if path is None or path.mm is None or msg.image_index not in path.mm.pending_jobs:
             return
-        is_tcp = self._transport(path.mm.consumer) == "tcp"
+        is_tcp = msg.via_tcp
         if msg.ok and is_tcp and not path.mm.is_consumer_closed:
             # Sent is not landed: the job ends when the consumer reports the landing (or that
             # it takes no more for this request).
@@ -218,10 +218,6 @@ class EncodeStage:
             mm.pending_jobs.pop(msg.image_index, None)
         mm.sent_indices.discard(msg.image_index)
         self.maybe_free(path)
-
-    def _transport(self, consumer: str) -> str:
-        slab = self.slabs.get(consumer)
-        return slab.transport if slab is not None else "shm"
 
     def on_consumer_done(self, path: Path) -> None:
         if path.mm is not None and not path.mm.is_consumer_done:

@@ -153,6 +153,8 @@ class RequestFlow:
                     continue  # late output of a worker this path has left (e.g. after a recompute)
                 elif out.finished:
                     self._finish_path(path)
+            elif msg.worker_id != path.colocated:
+                continue  # not the worker serving this path
             self._observe_token(handle, out, now)
             if out.finished:
                 handle.num_finished_outputs += 1
@@ -196,7 +198,8 @@ class RequestFlow:
         if msg.ok:
             timing.record(EventType.KV_TRANSFER_START, msg.transfer_start)
             timing.record(EventType.KV_TRANSFER_END, msg.transfer_end)
-            self.metrics.kv_bytes.inc(msg.kv_bytes)
+            path.kv_transport = msg.transport
+            self.metrics.kv_bytes.labels(msg.transport or "shm").inc(msg.kv_bytes)
             self.metrics.kv_seconds.inc(max(0.0, msg.transfer_end - msg.transfer_start))
             self.metrics.kv_exposed.inc(msg.exposed_s)
             timing.kv_exposed_s = max(timing.kv_exposed_s, msg.exposed_s)
@@ -218,7 +221,7 @@ class RequestFlow:
         path.handle.timing.record(EventType.DECODE_START, time.time())
         assert path.first_token_id is not None
         self.channel.post(path.decode, m.StartDecode(path.path_id, path.prompt_token_ids, path.first_token_id,
-                                                     path.params))
+                                                     path.params, kv_via_tcp=path.kv_transport == "tcp"))
 
     def on_transfer_timeout(self, path: Path) -> None:
         path.transfer_timer = None

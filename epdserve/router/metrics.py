@@ -20,7 +20,8 @@ class RouterMetrics:
         self.queue_time = Histogram("epdserve_request_queue_time_seconds", "Arrival to prefill start", buckets=_LATENCY_BUCKETS, registry=r)
         self.requests = Counter("epdserve_requests_total", "Finished requests by outcome", ["outcome"], registry=r)
         self.rejected = Counter("epdserve_requests_rejected_total", "Requests refused at admission", ["reason"], registry=r)
-        self.kv_bytes = Counter("epdserve_kv_transfer_bytes_total", "KV bytes moved prefill -> decode", registry=r)
+        self.kv_bytes = Counter("epdserve_kv_transfer_bytes_total", "KV bytes moved prefill -> decode, by transport "
+                                "(shm: same node, tcp: across nodes)", ["transport"], registry=r)
         self.kv_seconds = Counter("epdserve_kv_transfer_seconds_total", "Seconds KV transfers were in flight", registry=r)
         self.kv_exposed = Counter("epdserve_kv_transfer_exposed_seconds_total", "KV transfer time not hidden behind prefill", registry=r)
         self.prompt_tokens = Counter("epdserve_prompt_tokens_total", "Prompt tokens", registry=r)

@@ -108,6 +108,7 @@ class Path:
     first_token_id: int | None = None
     continues: bool = False  # the prefill's first token is not the last one
     transfer_done: bool = False
+    kv_transport: str = ""  # how its KV reached the decode worker ("shm", "tcp")
     transfer_timer: asyncio.TimerHandle | None = None
     done: bool = False
     mm: PathImages | None = None  # images: slab space and encode jobs

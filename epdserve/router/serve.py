@@ -12,10 +12,12 @@ import sys
 import time
 
 from epdserve.cli_args import engine_argv
+from epdserve.cluster.ray_cluster import PLACEMENTS
 from epdserve.envs import EPDSERVE_API_KEY, get_api_key
 from epdserve.errors import ConfigError
 from epdserve.roles import Role
 from epdserve.router.workers import DEFAULT_ROUTING, ROUTING_POLICIES
+from epdserve.transfer.locality import TRANSPORTS
 
 log = logging.getLogger("epdserve.serve")
 
@@ -24,13 +26,21 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="HTTP address (loopback by default)")
     g.add_argument("--port", type=int, default=8000, help="HTTP port (0: any free port)")
+    g.add_argument("--router-host", default=None,
+                   help="address of the worker socket, the one workers on other hosts connect to (default: loopback; "
+                        "with --cluster ray, this node's address)")
     g.add_argument("--router-port", type=int, default=0, help="worker socket port (0: any free port)")
+    g.add_argument("--cluster-key-file", default=None,
+                   help="the cluster secret workers must prove: read from FILE, or generated and written there "
+                        "(mode 0600) for workers started by hand (default: generated, handed to this server's workers only)")
     g.add_argument("--prefill-workers", type=int, default=None, help="default 1 (0 with --colocated-workers)")
     g.add_argument("--decode-workers", type=int, default=None, help="default 1 (0 with --colocated-workers)")
     g.add_argument("--colocated-workers", type=int, default=0, help="workers that prefill and decode (chunked)")
     g.add_argument("--encode-workers", type=int, default=0, help="vision encode workers in front of prefill / colocated workers")
     g.add_argument("--cores-per-worker", type=int, default=1)
-    g.add_argument("--kv-transport", choices=("shm", "tcp"), default="shm")
+    g.add_argument("--kv-transport", choices=TRANSPORTS, default="auto",
+                   help="how prefill workers reach decode workers' KV pages: auto (shared memory on one node, "
+                        "TCP between nodes), or always one of them")
     g.add_argument("--no-layerwise", action="store_true", help="push KV in bulk after prefill, not per layer")
     g.add_argument("--transfer-timeout", type=float, default=30.0, help="seconds for a KV transfer to land")
     g.add_argument("--transfer-policy", choices=("fail", "recompute"), default="fail")
@@ -70,8 +80,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     v.add_argument("--no-encode-pipeline", action="store_true",
                    help="prefill waits for all of a request's images (default: starts as they arrive)")
     v.add_argument("--embed-slab-mb", type=float, default=64.0, help="embedding slab per prefill/colocated worker")
-    v.add_argument("--embed-transport", choices=("shm", "tcp"), default="shm",
-                   help="how encode workers write slabs: shared memory (one host) or TCP (across hosts)")
+    v.add_argument("--embed-transport", choices=TRANSPORTS, default="auto",
+                   help="how encode workers write slabs: auto (shared memory on one node, TCP between nodes), "
+                        "or always one of them")
     v.add_argument("--encode-batch-images", type=int, default=1, help="images per encoder forward pass")
     v.add_argument("--encoder-cache-mb", type=float, default=256.0, help="content-hash embedding cache per encoder")
     v.add_argument("--max-images-per-request", type=int, default=16)
@@ -80,6 +91,14 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                    help="follow redirects of http(s) image URLs (at most 3 hops, each checked like the URL)")
     v.add_argument("--allow-private-media-addresses", action="store_true",
                    help="fetch images from loopback, private, link-local, ... addresses too")
+    c = parser.add_argument_group("many machines")
+    c.add_argument("--cluster", choices=("local", "ray"), default="local",
+                   help="start the workers as processes on this machine, or as actors on a Ray cluster")
+    c.add_argument("--ray-address", default="auto",
+                   help="the Ray cluster to join ('auto': the one `ray start` runs here, or a new local one)")
+    c.add_argument("--placement", choices=PLACEMENTS, default="spread",
+                   help="Ray: spread workers over the nodes, pack them onto few, or put each role on the nodes "
+                        "labelled with it (`ray start --labels epdserve-role=prefill`)")
     # Fault injection for tests: prefill workers never finish a KV transfer.
     g.add_argument("--debug-stall-kv-transfers", action="store_true", help=argparse.SUPPRESS)
 
@@ -141,6 +160,7 @@ def vision_args(ns: argparse.Namespace, is_vlm_checkpoint: bool) -> tuple[str | 
 async def serve(ns: argparse.Namespace) -> int:
     import uvicorn
 
+    from epdserve.auth import serve_key
     from epdserve.cluster.local import (
         LocalWorker,
         RestartPolicy,
@@ -149,6 +169,7 @@ async def serve(ns: argparse.Namespace) -> int:
         spawn_worker,
         stop_workers,
     )
+    from epdserve.cluster.ray_cluster import RayWorkers
     from epdserve.config import resolve_device_name
     from epdserve.gc_heap import freeze_startup_heap
     from epdserve.models.loader import load_model_info
@@ -160,6 +181,13 @@ async def serve(ns: argparse.Namespace) -> int:
 
     roles = plan_workers(ns)
     restart_policy = RestartPolicy(max_restarts=ns.max_worker_restarts)
+    key = serve_key(ns.cluster_key_file)
+    ray_workers = None
+    router_host = ns.router_host or "127.0.0.1"
+    if ns.cluster == "ray":
+        ray_workers = RayWorkers.connect(ns.ray_address, key, ns.placement, ns.cores_per_worker,
+                                         ns.max_worker_restarts)
+        router_host = ns.router_host or ray_workers.node_address()
     resolve_device_name(ns.device)  # a bad --device fails here, before any worker starts
     if ns.worker_log_dir:
         os.makedirs(ns.worker_log_dir, exist_ok=True)
@@ -181,15 +209,19 @@ async def serve(ns: argparse.Namespace) -> int:
                           max_pending=ns.max_pending, encode_pipelined=not ns.no_encode_pipeline,
                           routing=ns.routing, heartbeat_timeout_s=ns.worker_lease,
                           step_timeout_s=ns.step_timeout, first_token_timeout_s=ns.first_token_timeout)
-    router = Router(config, port=ns.router_port)
+    router = Router(key, config, host=router_host, port=ns.router_port)
     await router.start()
     started = time.monotonic()
     extra = engine_argv(ns) + ["--kv-transport", ns.kv_transport]
+    if ray_workers is None:
+        extra += ["--kv-host", router_host]  # the address other hosts reach this one by
     extra += ["--no-layerwise"] if ns.no_layerwise else []
     extra += ["--debug-stall-kv-transfers"] if ns.debug_stall_kv_transfers else []
     workers: list[LocalWorker] = []
     supervisor = WorkerSupervisor(restart_policy, lambda w: router.watch_process(w.worker_id, w.pid))
     counters: dict[str, int] = {}
+    all_alive = (lambda: all(w.process.poll() is None for w in workers)) if ray_workers is None \
+        else ray_workers.all_alive()
     for role, cores in zip(roles, assign_cores(len(roles), ns.cores_per_worker)):
         counters[role] = counters.get(role, 0) + 1
         worker_id = f"{role}-{counters[role] - 1}"
@@ -199,15 +231,18 @@ async def serve(ns: argparse.Namespace) -> int:
             role_extra = [*role_extra, "--reservation-lease", str(ns.reservation_lease)]
         if ns.step_trace_dir and role != Role.ENCODE:
             role_extra = [*role_extra, "--step-trace-dir", ns.step_trace_dir]
-        worker = spawn_worker(worker_id, role, router.address, cores, extra + role_extra, log_path)
+        if ray_workers is not None:
+            ray_workers.start(worker_id, role, router.address, extra + role_extra, log_path)
+            continue
+        worker = spawn_worker(worker_id, role, router.address, cores, extra + role_extra, log_path, key)
         workers.append(worker)
         supervisor.add(worker)
         router.watch_process(worker_id, worker.pid)
     try:
         need = {role: roles.count(role) for role in set(roles)}
-        if not await router.wait_for_workers(need, ns.startup_timeout,
-                                             lambda: all(w.process.poll() is None for w in workers)):
-            dead = [w.worker_id for w in workers if w.process.poll() is not None]
+        if not await router.wait_for_workers(need, ns.startup_timeout, all_alive):
+            dead = ([w.worker_id for w in workers if w.process.poll() is not None] if ray_workers is None
+                    else ray_workers.stopped())
             if dead:
                 logs = f" (logs in {ns.worker_log_dir})" if ns.worker_log_dir else ""
                 print(f"epdserve: error: workers exited during start-up: {', '.join(dead)}{logs}", file=sys.stderr)
@@ -245,3 +280,5 @@ async def serve(ns: argparse.Namespace) -> int:
         supervisor.close()  # before the router tells the workers to shut down: no restarts
         await router.close()
         stop_workers(supervisor.workers)
+        if ray_workers is not None:
+            ray_workers.stop()

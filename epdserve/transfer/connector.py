@@ -24,6 +24,7 @@ import torch
 
 from epdserve.transfer.descriptors import KVEndpoint
 from epdserve.transfer.fence import FenceView
+from epdserve.transfer.locality import pick_transport
 from epdserve.transfer.shm_pool import SharedKVPool
 from epdserve.transfer.tcp import TcpKVSender
 
@@ -85,12 +86,13 @@ class ShmLink:
             self.fence.close()
 
 
-def open_link(endpoint: KVEndpoint) -> PeerLink:
-    if endpoint.transport == "shm":
+def open_link(endpoint: KVEndpoint, key: bytes) -> PeerLink:
+    """A link to a decode worker's pages: its shared pool when it runs on this node, else its
+    TCP listener (proving the cluster secret ``key``). Raises ValueError when it offers
+    neither, OSError when it cannot be reached."""
+    if pick_transport(endpoint.transport, endpoint.shm_name, endpoint.port, endpoint.node) == "shm":
         return ShmLink(endpoint)
-    if endpoint.transport == "tcp":
-        return TcpKVSender(endpoint.host, endpoint.port)
-    raise ValueError(f"unknown KV transport {endpoint.transport!r}")
+    return TcpKVSender(endpoint.host, endpoint.port, key)
 
 
 @dataclass
@@ -119,6 +121,7 @@ class TransferStats:
     end: float
     compute_end: float  # when the prompt's last chunk finished computing
     blocking_s: float  # time the prefill worker's compute thread spent moving this KV
+    transport: str = ""  # "shm" or "tcp" ("" when no link was open)
 
     @property
     def exposed_s(self) -> float:
@@ -144,7 +147,7 @@ class KVPusher:
         # Fault injection for tests of the router's transfer timeout: transfers never end.
         self.stall = False
         self.links: dict[str, PeerLink] = {}
-        self._endpoints: dict[str, KVEndpoint] = {}  # to reopen a link that broke
+        self._endpoints: dict[str, tuple[KVEndpoint, bytes]] = {}  # to reopen a link that broke
         self._items: list[PushItem] = []
         self._targets: dict[str, str] = {}  # request id -> decode worker id, while in flight
         self._started: dict[str, float] = {}
@@ -154,12 +157,14 @@ class KVPusher:
         self._finished: list[TransferStats] = []
 
     # -- peers ---------------------------------------------------------------------------
-    def add_peer(self, worker_id: str, endpoint: KVEndpoint) -> None:
+    def add_peer(self, worker_id: str, endpoint: KVEndpoint, key: bytes = b"") -> None:
+        """Open the link to decode worker ``worker_id`` (``key``: the cluster secret its TCP
+        listener asks for)."""
         old = self.links.pop(worker_id, None)
         if old is not None:
             old.close()
-        self._endpoints[worker_id] = endpoint
-        self.links[worker_id] = open_link(endpoint)
+        self._endpoints[worker_id] = (endpoint, key)
+        self.links[worker_id] = open_link(endpoint, key)
 
     def _reopen_broken(self, worker_id: str) -> None:
         """A link that broke (a send timed out, the peer reset it) fails the transfers it
@@ -169,7 +174,7 @@ class KVPusher:
             return
         link.close()
         try:
-            self.links[worker_id] = open_link(self._endpoints[worker_id])
+            self.links[worker_id] = open_link(*self._endpoints[worker_id])
         except (OSError, ValueError):
             self.links.pop(worker_id, None)
 
@@ -195,6 +200,11 @@ class KVPusher:
     @property
     def num_in_flight(self) -> int:
         return len(self._targets)
+
+    def transport_of(self, worker_id: str) -> str:
+        """"tcp" or "shm": how KV reaches decode worker ``worker_id`` ("" with no link)."""
+        link = self.links.get(worker_id)
+        return "" if link is None else "shm" if isinstance(link, ShmLink) else "tcp"
 
     @property
     def num_bytes_sent(self) -> int:
@@ -287,13 +297,15 @@ class KVPusher:
         return finished
 
     def _finish(self, request_id: str, ok: bool) -> None:
-        if self._targets.pop(request_id, None) is None:
+        target = self._targets.pop(request_id, None)
+        if target is None:
             return
         now = time.time()
         self._finished.append(
             TransferStats(
                 request_id, ok, self._bytes.pop(request_id, 0), self._started.pop(request_id, now),
                 now, self._compute_end.pop(request_id, now), self._blocking.pop(request_id, 0.0),
+                self.transport_of(target),
             )
         )
 

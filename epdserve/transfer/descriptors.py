@@ -8,12 +8,17 @@ import msgspec
 
 
 class KVEndpoint(msgspec.Struct, omit_defaults=True):
-    """How a prefill worker reaches a decode worker's KV pages (registered at start-up)."""
+    """How a prefill worker reaches a decode worker's KV pages (registered at start-up).
 
-    transport: str  # "shm" | "tcp"
+    A decode worker may offer both ways in: its pool in shared memory (``shm_name``, for
+    writers on its node) and a TCP listener (``host``/``port``, for any node); each prefill
+    worker takes the shared pool when it runs on the same ``node`` (locality.py)."""
+
+    transport: str  # what it offers: "shm", "tcp", or "auto" (both)
     shm_name: str = ""  # shared-memory segment holding the decode worker's whole KV pool
     host: str = ""
     port: int = 0
+    node: str = ""  # locality.this_node() of the decode worker
     num_blocks: int = 0
     block_size: int = 0
     dtype: str = ""
@@ -25,12 +30,14 @@ class KVEndpoint(msgspec.Struct, omit_defaults=True):
 
 
 class SlabEndpoint(msgspec.Struct, omit_defaults=True):
-    """A consumer's embedding slab (registered at start-up): rows of ``hidden_size`` elements."""
+    """A consumer's embedding slab (registered at start-up): rows of ``hidden_size`` elements,
+    in shared memory for encode workers on its node and/or behind a TCP listener."""
 
-    transport: str  # "shm" | "tcp"
+    transport: str  # what it offers: "shm", "tcp", or "auto" (both)
     shm_name: str = ""
     host: str = ""
     port: int = 0
+    node: str = ""
     num_rows: int = 0
     hidden_size: int = 0
     dtype: str = ""

@@ -53,25 +53,29 @@ class ReservationFence:
         # A random start: a generation of an earlier process never matches one of this fence.
         self._next_generation = secrets.randbits(48) + 1
         self._open: dict[int, list[list[int]]] = {}  # generation -> block ids per group
+        self._requests: dict[int, str] = {}  # generation -> the request it reserved for
 
     @property
     def shm_name(self) -> str:
         return self._segment.name if self._segment is not None else ""
 
-    def open(self, block_ids: list[list[int]]) -> int:
-        """Mark ``block_ids`` (per group) as written by a new reservation; its generation."""
+    def open(self, block_ids: list[list[int]], request_id: str = "") -> int:
+        """Mark ``block_ids`` (per group) as written by a new reservation for ``request_id``;
+        its generation."""
         with self.lock:
             generation = self._next_generation
             self._next_generation += 1
             for group, ids in enumerate(block_ids):
                 self.owner[group, ids] = generation
             self._open[generation] = block_ids
+            self._requests[generation] = request_id
             return generation
 
     def close(self, generation: int) -> None:
         """The reservation ended: no write carrying ``generation`` is admitted from now on."""
         with self.lock:
             block_ids = self._open.pop(generation, None)
+            self._requests.pop(generation, None)
             if block_ids is None:
                 return
             for group, ids in enumerate(block_ids):
@@ -81,6 +85,11 @@ class ReservationFence:
 
     def is_open(self, generation: int) -> bool:
         return generation in self._open
+
+    def reservation(self, generation: int) -> tuple[str, list[list[int]]] | None:
+        """(request id, block ids per group) of an open reservation (call under ``lock``)."""
+        block_ids = self._open.get(generation)
+        return None if block_ids is None else (self._requests[generation], block_ids)
 
     def admits(self, generation: int, group: int, block_ids: np.ndarray) -> bool:
         """Whether a write of ``generation`` may touch ``block_ids`` of ``group`` (call under

@@ -14,6 +14,7 @@ from multiprocessing import resource_tracker, shared_memory
 import torch
 
 from epdserve.transfer.descriptors import KVEndpoint
+from epdserve.transfer.locality import this_node
 
 
 def _layer_numels(num_blocks: int, block_size: int, layer_shapes: list[tuple[int, int]]) -> list[int]:
@@ -90,6 +91,7 @@ class SharedKVPool:
             block_size=self.block_size,
             dtype=str(self.dtype).removeprefix("torch."),
             layer_shapes=[tuple(s) for s in self.layer_shapes],
+            node=this_node(),
         )
 
     def close(self) -> None:

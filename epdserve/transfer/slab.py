@@ -20,6 +20,7 @@ from multiprocessing import resource_tracker, shared_memory
 import torch
 
 from epdserve.transfer.descriptors import SlabEndpoint
+from epdserve.transfer.locality import this_node
 
 
 @dataclass(frozen=True)
@@ -125,7 +126,7 @@ class EmbeddingSlab:
     def endpoint(self) -> SlabEndpoint:
         return SlabEndpoint(
             transport="shm", shm_name=self.name, num_rows=self.num_rows, hidden_size=self.hidden_size,
-            dtype=str(self.dtype).removeprefix("torch."),
+            dtype=str(self.dtype).removeprefix("torch."), node=this_node(),
         )
 
     def region(self, offset: int, num_rows: int) -> torch.Tensor:

@@ -1,15 +1,19 @@
 """KV over TCP: one persistent connection per (prefill, decode) worker pair.
 
-Frame on the wire::
+A connection starts with the cluster handshake (epdserve/auth.py): the decode worker reads no
+frame from a peer that has not proven the cluster secret. Then, frame after frame::
 
     | u32 header length | msgpack LayerFrame | dst slots (int64 * num_tokens) | K,V payload |
 
-The payload is ``[2, num_tokens, num_kv_heads, head_dim]`` in the pool's dtype. The receiver
-reads it into a buffer and scatters it into the decode worker's pages at ``dst slots``
-(slot = block_id * block_size + offset), if the decode worker's write fence still gives those
-blocks to the frame's reservation generation (``fence.py``); otherwise the frame is read and
-dropped. A frame with ``layer == -1`` ends a request: every earlier frame of it has landed when
-the receiver sees it.
+The payload is ``[2, num_tokens, num_kv_heads, head_dim]`` in the pool's dtype. Each header is
+checked against the reservation it names before anything is allocated or read: the
+generation must be open and reserved for the frame's request, the layer in range, the size
+that of ``num_tokens`` rows of that layer, and ``num_tokens`` no more than the reservation's
+blocks hold; the slots must then lie in the reservation's blocks (the write fence,
+``fence.py``). A frame of a reservation that has ended is read and dropped (a late write). A
+frame that fails the checks is dropped and fails its request (``on_refused``); one whose size
+cannot be trusted also closes the connection. A frame with ``layer == -1`` ends a request:
+every earlier frame of it has landed when the receiver sees it.
 
 Sends have a deadline (``send_timeout_s``) and the queue of layers waiting to be sent is
 bounded: a peer that stops reading breaks the link (its transfers fail) instead of growing
@@ -18,6 +22,7 @@ this process's memory or blocking it for good.
 
 from __future__ import annotations
 
+import logging
 import queue
 import socket
 import struct
@@ -29,10 +34,16 @@ import msgspec
 import numpy as np
 import torch
 
+from epdserve.auth import AuthError, accept_peer, prove_to_peer
 from epdserve.transfer.fence import ReservationFence
+
+log = logging.getLogger("epdserve.transfer")
 
 _HEADER = struct.Struct("!I")
 END_OF_REQUEST = -1
+MAX_HEADER_BYTES = 4096  # a header naming more is a broken peer: the connection closes
+MAX_CONNECTIONS = 256  # per listener; more are refused before the handshake
+_DISCARD_CHUNK = 1 << 20
 
 
 class LayerFrame(msgspec.Struct, array_like=True):
@@ -42,10 +53,12 @@ class LayerFrame(msgspec.Struct, array_like=True):
     num_tokens: int
     num_payload_bytes: int
 
-# A layer frame's payload at most (a header naming more is a broken peer: the link closes).
-MAX_FRAME_BYTES = 1 << 31
 SEND_TIMEOUT_S = 10.0
 MAX_QUEUED_LAYERS = 1024
+
+
+class BrokenPeer(Exception):
+    """A frame whose framing cannot be trusted: the connection closes."""
 
 
 def _recv_exact(sock: socket.socket, view: memoryview) -> bool:
@@ -57,27 +70,64 @@ def _recv_exact(sock: socket.socket, view: memoryview) -> bool:
     return True
 
 
+def _discard(sock: socket.socket, num_bytes: int) -> bool:
+    """Read and drop ``num_bytes`` (in bounded chunks); False when the peer closed."""
+    scratch = memoryview(bytearray(min(num_bytes, _DISCARD_CHUNK)))
+    while num_bytes > 0:
+        n = min(num_bytes, len(scratch))
+        if not _recv_exact(sock, scratch[:n]):
+            return False
+        num_bytes -= n
+    return True
+
+
 def recv_header(conn: socket.socket, decoder: msgspec.msgpack.Decoder) -> msgspec.Struct | None:
-    """Read one ``| u32 length | msgpack header |`` off ``conn``; None when the peer closed."""
+    """Read one ``| u32 length | msgpack header |`` off ``conn``; None when the peer closed.
+    Raises BrokenPeer for a header that is too long or does not decode."""
     header_len = bytearray(_HEADER.size)
     if not _recv_exact(conn, memoryview(header_len)):
         return None
     (n,) = _HEADER.unpack(header_len)
+    if n > MAX_HEADER_BYTES:
+        raise BrokenPeer(f"a frame header of {n} bytes")
     raw = bytearray(n)
     if not _recv_exact(conn, memoryview(raw)):
         return None
-    return decoder.decode(raw)
+    try:
+        return decoder.decode(raw)
+    except (msgspec.DecodeError, ValueError) as e:
+        raise BrokenPeer(f"a frame header that does not decode: {e}") from None
+
+
+def connect(host: str, port: int, key: bytes, purpose: bytes, timeout_s: float) -> socket.socket:
+    """A connection to a listener that proved ``key`` (and saw this side prove it)."""
+    sock = socket.create_connection((host, port), timeout=timeout_s)
+    try:
+        prove_to_peer(sock, key, purpose, timeout_s)
+    except AuthError:
+        sock.close()
+        raise
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
 
 
 class FrameListener:
-    """Listens on ``host`` (any free port) and serves each connection in a thread of its own;
-    subclasses read frames in ``_serve`` until the peer closes."""
+    """Listens on ``host`` (any free port) and serves each connection in a thread of its own,
+    once the peer has proven ``key`` for ``purpose``; subclasses read frames in ``_serve``
+    until the peer closes (or ``BrokenPeer``)."""
 
-    def __init__(self, host: str, name: str) -> None:
+    def __init__(self, host: str, name: str, key: bytes, purpose: bytes) -> None:
         self._listener = socket.create_server((host, 0))
-        self.host, self.port = self._listener.getsockname()[:2]
+        self.port = self._listener.getsockname()[1]
+        # The address offered to peers: a wildcard bind offers this host's name's address.
+        self.host = socket.gethostbyname(socket.gethostname()) if host in ("", "0.0.0.0") else host
         self._name = name
+        self._key = key
+        self._purpose = purpose
         self._closed = False
+        self._num_connections = 0
+        self._count_lock = threading.Lock()
+        self.num_refused_peers = 0  # connections that did not prove the cluster key
         threading.Thread(target=self._accept_loop, name=f"{name}-accept", daemon=True).start()
 
     def _accept_loop(self) -> None:
@@ -86,8 +136,29 @@ class FrameListener:
                 conn, _ = self._listener.accept()
             except OSError:
                 return
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            threading.Thread(target=self._serve, args=(conn,), name=f"{self._name}-recv", daemon=True).start()
+            with self._count_lock:
+                if self._num_connections >= MAX_CONNECTIONS:
+                    conn.close()
+                    continue
+                self._num_connections += 1
+            threading.Thread(target=self._connection, args=(conn,), name=f"{self._name}-recv", daemon=True).start()
+
+    def _connection(self, conn: socket.socket) -> None:
+        with conn:
+            try:
+                accept_peer(conn, self._key, self._purpose)
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                self._serve(conn)
+            except AuthError as e:
+                self.num_refused_peers += 1
+                log.warning("%s listener: refused a connection: %s", self._name, e)
+            except BrokenPeer as e:
+                log.warning("%s listener: closing a connection: %s", self._name, e)
+            except OSError:
+                pass  # the peer went away
+            finally:
+                with self._count_lock:
+                    self._num_connections -= 1
 
     def _serve(self, conn: socket.socket) -> None:
         raise NotImplementedError
@@ -109,53 +180,85 @@ class TcpKVReceiver(FrameListener):
         on_landed: Callable[[str], None],
         fence: ReservationFence,
         layer_to_group: list[int],
+        key: bytes,
         host: str = "127.0.0.1",
+        on_refused: Callable[[str, str], None] = lambda request_id, reason: None,
     ) -> None:
         """Frames land only where ``fence`` admits their generation; the end marker of an
-        open reservation calls ``on_landed(request_id)``."""
+        open reservation calls ``on_landed(request_id)``; a frame that fails its checks calls
+        ``on_refused(request_id, reason)`` (the request fails)."""
         self.kv_caches = kv_caches
         self.on_landed = on_landed
+        self.on_refused = on_refused
         self.fence = fence
         self.layer_to_group = layer_to_group
         self.block_size = kv_caches[0].shape[2]
+        self.max_tokens = kv_caches[0].shape[1] * self.block_size  # the whole pool
         self._row_bytes = [2 * c.shape[3] * c.shape[4] * c.element_size() for c in kv_caches]
         self._decoder = msgspec.msgpack.Decoder(LayerFrame)
-        self.num_refused_frames = 0  # frames read and dropped: reservation closed, or malformed
-        super().__init__(host, "kv")
+        self.num_refused_frames = 0  # frames read and dropped: reservation closed, or failing a check
+        super().__init__(host, "kv", key, b"kv")
 
     def _serve(self, conn: socket.socket) -> None:
-        with conn:
-            while True:
-                try:
-                    frame = recv_header(conn, self._decoder)
-                except (msgspec.DecodeError, ValueError):
-                    return  # not our framing: drop the connection
-                if frame is None:
-                    return
-                if frame.layer == END_OF_REQUEST:
-                    with self.fence.lock:
-                        landed = self.fence.is_open(frame.generation)
-                    if landed:
-                        self.on_landed(frame.request_id)
-                    continue
-                if not (0 <= frame.layer < len(self.kv_caches) and 0 <= frame.num_tokens
-                        and frame.num_payload_bytes == frame.num_tokens * self._row_bytes[frame.layer]
-                        and frame.num_payload_bytes <= MAX_FRAME_BYTES):
-                    return  # sizes that do not match the pool: a broken peer
-                slots = np.empty(frame.num_tokens, dtype=np.int64)
-                payload = bytearray(frame.num_payload_bytes)
-                if not _recv_exact(conn, memoryview(slots).cast("B")):
-                    return
-                if not _recv_exact(conn, memoryview(payload)):
-                    return
-                self._land(frame, slots, payload)
+        while True:
+            frame = recv_header(conn, self._decoder)
+            if frame is None:
+                return
+            if frame.layer == END_OF_REQUEST:
+                with self.fence.lock:
+                    reservation = self.fence.reservation(frame.generation)
+                if reservation is not None and reservation[0] == frame.request_id:
+                    self.on_landed(frame.request_id)
+                continue
+            if not self._read_frame(conn, frame):
+                return
 
-    def _land(self, frame: LayerFrame, slots: np.ndarray, payload: bytearray) -> None:
-        cache = self.kv_caches[frame.layer]
+    def _refuse(self, frame: LayerFrame, reason: str) -> None:
+        self.num_refused_frames += 1
+        log.warning("refused a KV frame of %s: %s", frame.request_id, reason)
+        self.on_refused(frame.request_id, reason)
+
+    def _read_frame(self, conn: socket.socket, frame: LayerFrame) -> bool:
+        """Check, read and land one layer frame; False when the peer closed."""
+        if not 0 <= frame.layer < len(self.kv_caches):
+            self._refuse(frame, f"layer {frame.layer} out of range")
+            raise BrokenPeer("a frame of an unknown layer")
+        row_bytes = self._row_bytes[frame.layer]
+        if not 0 < frame.num_tokens <= self.max_tokens or frame.num_payload_bytes != frame.num_tokens * row_bytes:
+            self._refuse(frame, f"{frame.num_tokens} tokens in {frame.num_payload_bytes} bytes do not fit the pool")
+            raise BrokenPeer("a frame whose size does not match the pool")
+        num_bytes = frame.num_tokens * (8 + row_bytes)
         group = self.layer_to_group[frame.layer]
-        block_ids = np.unique(slots // self.block_size) if slots.size else slots
+        with self.fence.lock:
+            reservation = self.fence.reservation(frame.generation)
+        if reservation is None:  # ended (landed, aborted, expired): a late write
+            self.num_refused_frames += 1
+            return _discard(conn, num_bytes)
+        request_id, block_ids = reservation
+        if request_id != frame.request_id:
+            self._refuse(frame, "the frame names another request's reservation")
+            return _discard(conn, num_bytes)
+        if frame.num_tokens > len(block_ids[group]) * self.block_size:
+            self._refuse(frame, f"{frame.num_tokens} tokens exceed the reservation")
+            raise BrokenPeer("a frame larger than its reservation")
+        slots = np.empty(frame.num_tokens, dtype=np.int64)
+        if not _recv_exact(conn, memoryview(slots).cast("B")):
+            return False
+        ids = np.unique(slots // self.block_size)
+        if int(slots.min()) < 0 or not set(ids.tolist()) <= set(block_ids[group]):
+            self._refuse(frame, "slots outside the reservation's blocks")
+            return _discard(conn, frame.num_payload_bytes)
+        payload = bytearray(frame.num_payload_bytes)
+        if not _recv_exact(conn, memoryview(payload)):
+            return False
+        self._land(frame, group, slots, ids, payload)
+        return True
+
+    def _land(self, frame: LayerFrame, group: int, slots: np.ndarray, block_ids: np.ndarray,
+              payload: bytearray) -> None:
+        cache = self.kv_caches[frame.layer]
         with self.fence.lock:  # check and write as one step against the engine's close
-            if slots.size == 0 or int(slots.min()) < 0 or not self.fence.admits(frame.generation, group, block_ids):
+            if not self.fence.admits(frame.generation, group, block_ids):
                 self.num_refused_frames += 1
                 return
             kv = torch.frombuffer(payload, dtype=cache.dtype).view(2, frame.num_tokens, *cache.shape[3:])
@@ -171,11 +274,12 @@ class TcpKVSender:
     is reported by ``poll_done``.
     """
 
-    def __init__(self, host: str, port: int, connect_timeout: float = 5.0,
+    def __init__(self, host: str, port: int, key: bytes, connect_timeout: float = 5.0,
                  send_timeout_s: float = SEND_TIMEOUT_S) -> None:
-        self._sock = socket.create_connection((host, port), timeout=connect_timeout)
+        """Raises OSError (AuthError included) when the decode worker cannot be reached or
+        does not prove the cluster secret ``key``."""
+        self._sock = connect(host, port, key, b"kv", connect_timeout)
         self._sock.settimeout(send_timeout_s)
-        self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._send_timeout_s = send_timeout_s
         self._queue: queue.Queue = queue.Queue(MAX_QUEUED_LAYERS)
         self._done: list[str] = []

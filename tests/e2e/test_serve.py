@@ -226,6 +226,7 @@ def test_kill_workers_mid_request_and_rejoin(tmp_path):
         # A restarted worker rejoins under its old id.
         restarted = subprocess.Popen(
             [sys.executable, "-m", "epdserve.cli", "worker", "--role", "decode", "--router", server.router,
+             "--cluster-key-file", str(server.key_file),
              "--worker-id", victim["id"], *SMALL],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )

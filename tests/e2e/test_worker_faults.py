@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import re
 import subprocess
 import sys
@@ -25,11 +26,13 @@ import zmq
 from conftest import PROMPTS, assert_all_blocks_free
 from serving import SMALL, Server, start_server, stop_server
 
+from epdserve.auth import CurveGate, make_curve_server, new_key
 from epdserve.cluster import messages as m
 from epdserve.cluster.local import RestartPolicy, WorkerLaunch, WorkerSupervisor, start_worker
 from epdserve.config import EngineArgs
 from epdserve.engine.engine import LLMEngine
 from epdserve.engine.failures import EXIT_FATAL, is_fatal
+from epdserve.envs import EPDSERVE_CLUSTER_KEY
 from epdserve.errors import ConfigError
 from epdserve.faults import FaultKind, FaultSpec, parse_fault
 from epdserve.models.loader import load_model
@@ -230,11 +233,16 @@ def test_restart_policy_is_validated():
 
 # -- one prefill worker process, driven over its router socket ------------------------------
 class RouterSocket:
-    """The router's end of a worker's control socket (a test drives the worker directly)."""
+    """The router's end of a worker's control socket (a test drives the worker directly),
+    CURVE-authenticated with a fresh cluster key (``env`` hands it to the worker)."""
 
     def __init__(self) -> None:
+        self.key = new_key()
+        self.env = {**os.environ, EPDSERVE_CLUSTER_KEY: self.key.hex()}
         self.ctx = zmq.Context()
+        self.gate = CurveGate(self.ctx, self.key)
         self.sock = self.ctx.socket(zmq.ROUTER)
+        make_curve_server(self.sock, self.key)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.address = f"tcp://127.0.0.1:{self.sock.bind_to_random_port('tcp://127.0.0.1')}"
         self.worker_id = b""
@@ -253,6 +261,7 @@ class RouterSocket:
 
     def close(self) -> None:
         self.sock.close()
+        self.gate.stop()
         self.ctx.term()
 
 
@@ -268,7 +277,7 @@ def test_prefill_worker_fails_bad_requests_alone_and_ends_each_transfer_once(tmp
             [sys.executable, "-m", "epdserve.cli", "worker", "--role", "prefill", "--router", router.address,
              "--worker-id", worker_id, "--die-with-parent", "--max-model-len", "256", "--kv-cache-memory", "0.05",
              "--debug-fault", f"sample-error:{VICTIM_SEED}"],
-            stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=router.env)
     try:
         assert isinstance(router.recv(120), m.Register)
         router.worker_id = worker_id.encode()

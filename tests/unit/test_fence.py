@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from epdserve.auth import new_key
 from epdserve.transfer.connector import ShmLink
 from epdserve.transfer.descriptors import KVEndpoint
 from epdserve.transfer.fence import ReservationFence
@@ -17,6 +18,7 @@ from epdserve.transfer.shm_pool import SharedKVPool
 from epdserve.transfer.tcp import TcpKVReceiver, TcpKVSender
 
 NUM_BLOCKS, BLOCK_SIZE, HEADS, DIM, LAYERS = 8, 4, 2, 8, 3
+KEY = new_key()
 
 
 def _slots(block_ids: list[int]) -> torch.Tensor:
@@ -56,8 +58,8 @@ def tcp_pair():
         landed.append(request_id)
         event.set()
 
-    receiver = TcpKVReceiver(caches, on_landed, fence, [0] * LAYERS)
-    sender = TcpKVSender(receiver.host, receiver.port)
+    receiver = TcpKVReceiver(caches, on_landed, fence, [0] * LAYERS, KEY)
+    sender = TcpKVSender(receiver.host, receiver.port, KEY)
     yield caches, fence, receiver, sender, landed, event
     sender.close()
     receiver.close()
@@ -74,12 +76,12 @@ def _flush(sender: TcpKVSender, event: threading.Event, request_id: str, generat
 def test_tcp_late_write_of_an_expired_reservation_is_refused(tcp_pair):
     caches, fence, receiver, sender, landed, event = tcp_pair
     blocks = [2, 3]
-    g_old = fence.open([blocks])
+    g_old = fence.open([blocks], "a")
     sender.write("a", g_old, 0, 0, _kv(1.0, 8), _slots(blocks), np.array(blocks))
     _flush(sender, event, "a", g_old)
     assert landed == ["a"] and float(caches[0][:, 2:4].min()) == 1.0
     fence.close(g_old)  # expired: the blocks go to another request
-    g_new = fence.open([blocks])
+    g_new = fence.open([blocks], "b")
     sender.write("b", g_new, 0, 0, _kv(2.0, 8), _slots(blocks), np.array(blocks))
     _flush(sender, event, "b", g_new)
     # The late write of "a" (old generation) and one naming a block outside the reservation.
@@ -94,7 +96,7 @@ def test_tcp_late_write_of_an_expired_reservation_is_refused(tcp_pair):
     landed.clear()
     event.clear()
     sender.finish("b", g_new)
-    sender.finish("c", fence.open([[6]]))
+    sender.finish("c", fence.open([[6]], "c"))
     assert event.wait(10)
     assert landed == ["c"]  # in order on one connection: "b"'s marker was read first
 

@@ -156,6 +156,7 @@ def test_encoder_cache_is_lru_and_byte_bounded():
 def test_tcp_slab_lands_only_expected_images():
     import threading
 
+    from epdserve.auth import new_key
     from epdserve.transfer.slab_tcp import TcpSlabReceiver, TcpSlabSender
 
     rows = torch.zeros(8, 4, dtype=torch.bfloat16)
@@ -166,8 +167,9 @@ def test_tcp_slab_lands_only_expected_images():
         landed.append((request_id, index))
         done.set()
 
-    receiver = TcpSlabReceiver(rows, on_landed, lambda rid, i, offset, num_rows: rid == "live", threading.Lock())
-    sender = TcpSlabSender(receiver.host, receiver.port, 8, 4, torch.bfloat16)
+    key = new_key()
+    receiver = TcpSlabReceiver(rows, on_landed, lambda rid, i, offset, num_rows: rid == "live", threading.Lock(), key)
+    sender = TcpSlabSender(receiver.host, receiver.port, 8, 4, torch.bfloat16, key)
     try:
         sender.send("dropped", 0, 0, torch.full((2, 4), 5.0))  # an aborted request: read, not written
         sender.send("live", 1, 2, torch.full((3, 4), 7.0))

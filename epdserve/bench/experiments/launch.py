@@ -39,6 +39,7 @@ class RunningServer:
     router_address: str  # tcp://127.0.0.1:PORT, the socket workers register on
     log_dir: Path
     args: tuple[str, ...]  # the serve flags it was started with
+    key_file: Path | None = None  # the cluster secret, for workers started by hand
 
     @property
     def command(self) -> str:
@@ -49,12 +50,18 @@ class RunningServer:
 def start_server(args: list[str], log_dir: Path, timeout_s: float = STARTUP_TIMEOUT_S) -> RunningServer:
     """Start ``epdserve serve ARGS --port 0`` and return once it prints its ready line."""
     log_dir.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "epdserve.cli", "serve", "--port", "0", "--worker-log-dir", str(log_dir), *args]
+    key_args: list[str] = []
+    key_file = None
+    if "--cluster-key-file" not in args:  # written by the server, read by workers started by hand
+        key_file = log_dir / "cluster.key"
+        key_args = ["--cluster-key-file", str(key_file)]
+    cmd = [sys.executable, "-m", "epdserve.cli", "serve", "--port", "0", "--worker-log-dir", str(log_dir), *args,
+           *key_args]
     process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                stdin=subprocess.DEVNULL)
     match = wait_for_line(process, READY, timeout_s, f"epdserve serve {' '.join(args)}")
     _drain_output(process, log_dir / "server.log")
-    return RunningServer(process, match.group(1), match.group(2), log_dir, tuple(args))
+    return RunningServer(process, match.group(1), match.group(2), log_dir, tuple(args), key_file)
 
 
 def wait_for_line(process: subprocess.Popen, pattern: re.Pattern, timeout_s: float, what: str) -> re.Match:
@@ -157,9 +164,8 @@ def wait_for_workers(
 
 
 def metric_value(server: RunningServer, name: str) -> float:
-    """The value of one unlabelled counter or gauge from ``/metrics`` (0.0 when absent)."""
+    """The value of one counter or gauge from ``/metrics``, summed over its labels (0.0 when
+    absent)."""
     text = httpx.get(f"{server.url}/metrics", headers=auth_headers(server), timeout=HTTP_TIMEOUT_S).text
-    for line in text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    return 0.0
+    return sum(float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith(name + " ") or line.startswith(name + "{"))

@@ -94,7 +94,7 @@ def move_pd_workers(
             worker_id = f"{role}-veth"
             cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "epdserve.cli", "worker", "--role", role,
                    "--router", router, "--worker-id", worker_id, "--cores", ",".join(map(str, cores)),
-                   "--die-with-parent", *extra, *engine]
+                   "--die-with-parent", "--cluster-key-file", str(server.key_file), *extra, *engine]
             _start_worker(cmd, server.log_dir / f"{worker_id}.log", started)
             wait_for_workers(server, _is_ready(worker_id), READY_TIMEOUT_S, f"{worker_id} to register")
     except BaseException:
