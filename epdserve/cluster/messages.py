@@ -39,6 +39,7 @@ class Register(Msg):
     kv_endpoint: KVEndpoint | None = None
     slab: SlabEndpoint | None = None  # consumer: where encode workers write its embeddings
     can_encode: bool = False  # has a vision encoder in-process (takes images inline)
+    node: str = ""  # the node it runs on (transfer/locality.py)
 
 
 class Load(msgspec.Struct):

@@ -36,6 +36,7 @@ from epdserve.cluster.router_link import (
 from epdserve.engine.failures import EXIT_FATAL, is_fatal
 from epdserve.gc_heap import freeze_startup_heap
 from epdserve.roles import Role
+from epdserve.transfer.locality import this_node
 
 log = logging.getLogger("epdserve.worker")
 
@@ -104,7 +105,7 @@ class WorkerBase:
     # -- shared ---------------------------------------------------------------------------
     def _register(self, **fields: Any) -> m.Register:
         return m.Register(worker_id=self.worker_id, role=self.role, pid=os.getpid(), host=socket.gethostname(),
-                          **fields)
+                          node=this_node(), **fields)
 
     def _send(self, msg: m.Msg) -> None:
         """To the router; a router that stopped reading costs this message, never the loop

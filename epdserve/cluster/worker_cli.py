@@ -61,6 +61,7 @@ def add_worker_parser(sub) -> None:
 
 def run_worker_command(ns: argparse.Namespace) -> int:
     """The body of ``epdserve worker``: its exit status."""
+    engine_args = engine_args_from(ns) if ns.role != "encode" else None  # bad flags fail before the key is read
     key = worker_key(ns.cluster_key_file)
     cores = tuple(int(c) for c in ns.cores.split(",")) if ns.cores else ()
     if ns.role == "encode":
@@ -80,7 +81,7 @@ def run_worker_command(ns: argparse.Namespace) -> int:
         step_trace_dir=ns.step_trace_dir, cluster_key=key,
         **({"worker_id": ns.worker_id} if ns.worker_id else {}),
     )
-    return run_worker(opts, engine_args_from(ns))
+    return run_worker(opts, engine_args)
 
 
 def run_worker_argv(argv: Sequence[str]) -> int:

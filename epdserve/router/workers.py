@@ -85,6 +85,10 @@ class WorkerInfo:
             "role": self.role,
             "pid": self.registration.pid,
             "host": self.registration.host,
+            "node": self.registration.node,
+            # The TCP listeners peers on other nodes connect to ("" when it offers none).
+            "kv_listener": _listener(self.registration.kv_endpoint),
+            "slab_listener": _listener(self.registration.slab),
             "state": self.state.value,
             "load": {
                 "num_requests": len(self.request_ids),
@@ -99,6 +103,10 @@ class WorkerInfo:
                 "num_encoder_cache_bytes": load.num_encoder_cache_bytes,
             },
         }
+
+
+def _listener(endpoint: m.KVEndpoint | m.SlabEndpoint | None) -> str:
+    return f"{endpoint.host}:{endpoint.port}" if endpoint is not None and endpoint.port else ""
 
 
 # Routing policies (``epdserve serve --routing``): what ``WorkerRegistry.pick`` minimizes first.
