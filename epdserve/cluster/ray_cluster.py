@@ -8,7 +8,8 @@ travels in the actor's runtime environment (``EPDSERVE_CLUSTER_KEY``), the Ray n
 ``EPDSERVE_NODE_ID``: two workers on one node write each other's memory directly, workers on
 different nodes go over TCP to the address of the node they run on.
 
-Placement: ``spread`` (Ray's SPREAD strategy), ``pack`` (Ray's default: fill a node first) or
+Placement: ``spread`` (Ray's SPREAD strategy), ``pack`` (Ray's default hybrid policy: a node
+fills to half its CPUs before the next is used) or
 ``by-label`` (a role's workers only on nodes labelled with it, ``ray start --labels
 epdserve-role=prefill``). ``--cores-per-worker`` is the actor's CPU reservation and its thread
 count. An actor that dies (its process, or its node) is restarted by Ray at most
