@@ -84,7 +84,11 @@ def _serve(ns: argparse.Namespace) -> int:
 
     from epdserve.router.serve import serve
 
-    return asyncio.run(serve(ns))
+    try:  # libuv's event loop: less CPU per streamed token than asyncio's own
+        import uvloop
+    except ImportError:
+        return asyncio.run(serve(ns))
+    return uvloop.run(serve(ns))
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -11,12 +11,12 @@ worker is 503 (or an SSE error event once a stream has started); never a 500 for
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+import msgspec
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -191,14 +191,21 @@ def create_app(router: Router, served: ServedModel, api_key: str | None = None, 
             if fmt.chat:
                 for index in range(fmt.n):
                     yield _sse(fmt.chunk(index, role=True))
-            async for event in handle.events():
-                if event.error is not None:
-                    yield _sse(error_body(event.error, ERROR_TYPES[503], 503))
-                    done = True
+            async for batch in handle.event_batches():
+                # Every event queued at this wake-up goes out in one write.
+                chunks = []
+                for event in batch:
+                    if event.error is not None:
+                        chunks.append(_sse(error_body(event.error, ERROR_TYPES[503], 503)))
+                        done = True
+                        break
+                    out = event.output
+                    fmt.add(out)
+                    last = out.finished and handle.num_finished >= fmt.n and event is batch[-1]
+                    chunks.append(_sse(fmt.chunk(out.index, out=out, timing=handle.timing if last else None)))
+                yield b"".join(chunks)
+                if done:
                     break
-                out = event.output
-                fmt.add(out)
-                yield _sse(fmt.chunk(out.index, out=out, timing=handle.timing if handle.num_finished >= fmt.n else None))
             else:
                 done = True
                 if include_usage:
@@ -258,7 +265,12 @@ async def _wait_disconnect(request: Request) -> None:
 
 
 def _sse(obj: dict) -> bytes:
-    return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
+    # msgspec writes UTF-8 directly (as json.dumps(ensure_ascii=False)); a non-finite float
+    # becomes null, which keeps every chunk valid JSON.
+    return b"data: " + _json_encode(obj) + b"\n\n"
+
+
+_json_encode = msgspec.json.Encoder().encode
 
 
 class _Formatter:

@@ -63,14 +63,29 @@ class RequestHandle:
     first_token_timer: asyncio.TimerHandle | None = None
 
     async def events(self) -> AsyncIterator[StreamEvent]:
-        while self.num_finished < self.n:
-            event: StreamEvent = await self.queue.get()
-            if event.error is not None:
+        async for batch in self.event_batches():
+            for event in batch:
                 yield event
-                return
-            if event.output is not None and event.output.finished:
-                self.num_finished += 1
-            yield event
+
+    async def event_batches(self) -> AsyncIterator[list[StreamEvent]]:
+        """The events as ``events`` gives them, each wake-up's worth at once: the one awaited
+        and every one queued behind it (a stream writes them in one chunk). Ends after an
+        error or the last sequence's end."""
+        while self.num_finished < self.n:
+            batch = [await self.queue.get()]
+            while not self.queue.empty():
+                batch.append(self.queue.get_nowait())
+            out = []
+            for event in batch:
+                out.append(event)
+                if event.error is not None:
+                    yield out
+                    return
+                if event.output is not None and event.output.finished:
+                    self.num_finished += 1
+                    if self.num_finished >= self.n:
+                        break
+            yield out
 
     @property
     def has_first_token(self) -> bool:
