@@ -82,12 +82,15 @@ def run_offline(args: argparse.Namespace, requests: list[SampleRequest]) -> dict
             "num_output_tokens": num_out, "engine_cpu_ms_per_token": cpu / num_out * 1e3}
 
 
-def _profile(pid: int, duration_s: int, out: Path) -> subprocess.Popen | None:
+def _profile(pid: int, duration_s: int, out: Path) -> list[subprocess.Popen]:
+    """py-spy on ``pid``: collapsed stacks to ``out`` (.raw) and a flame graph beside it (.svg)."""
     spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
     if not Path(spy).exists():
-        return None
-    return subprocess.Popen([spy, "record", "-p", str(pid), "-d", str(duration_s), "-r", "200", "--nonblocking",
-                             "-f", "raw", "-o", str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        return []
+    return [subprocess.Popen([spy, "record", "-p", str(pid), "-d", str(duration_s), "-r", "100", "--nonblocking",
+                              "-f", fmt, "-o", str(out.with_suffix(suffix))],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            for fmt, suffix in (("raw", ".raw"), ("flamegraph", ".svg"))]
 
 
 def categorize(raw: Path) -> dict[str, float]:
@@ -125,9 +128,7 @@ def run_served(arm: str, args: argparse.Namespace, requests: list[SampleRequest]
             expected = args.num_prompts * args.output_len / (0.8 * offline["output_tokens_per_s"]) if offline else 30
             duration = max(5, int(expected * 0.6))
             for name in ("router", workers[-1]["id"]):
-                spy = _profile(pids[name], duration, Path(args.profile_dir) / f"{arm}-{name}.raw")
-                if spy is not None:
-                    spies.append(spy)
+                spies += _profile(pids[name], duration, Path(args.profile_dir) / f"{arm}-{name}.raw")
         client0 = time.process_time()
         run = asyncio.run(run_benchmark(config, requests, [0.0] * len(requests)))
         client_cpu = time.process_time() - client0

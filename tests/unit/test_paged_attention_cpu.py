@@ -153,3 +153,20 @@ def test_engine_greedy_same_with_and_without_kernel(monkeypatch) -> None:
     assert not paged_attention_cpu.is_available()
     without_kernel = [c.token_ids for (c,) in engine.generate(prompts, params)]
     assert with_kernel == without_kernel
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 576), (37, 576), (3, 4, 64)])
+def test_rms_norm_kernel_rounds_as_the_reference(dtype, shape):
+    """Hugging Face's LlamaRMSNorm: float32 statistics, the normalised row cast to the dtype,
+    then times the weight."""
+    x = torch.randn(shape, dtype=dtype) * 3
+    weight = torch.randn(shape[-1], dtype=dtype)
+    assert paged_attention_cpu.can_rms_norm(x, weight)
+    got = paged_attention_cpu.rms_norm(x, weight, 1e-5)
+    xf = x.float()
+    expected = weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)
+    # bfloat16: a rounding step apart at most (the float32 sums run in another order)
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 0.02, "rtol": 0.01}
+    torch.testing.assert_close(got, expected, **tol)
+    assert got.dtype == dtype and got.shape == x.shape

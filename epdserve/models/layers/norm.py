@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from epdserve.models.layers import paged_attention_cpu
+
 
 class RMSNorm(nn.Module):
     """y = x / sqrt(mean(x^2) + eps) * weight, over the last ``hidden_size`` features."""
@@ -30,6 +32,8 @@ class RMSNorm(nn.Module):
         param.data.copy_(loaded_weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if paged_attention_cpu.can_rms_norm(x, self.weight):  # one kernel call on the CPU
+            return paged_attention_cpu.rms_norm(x, self.weight, self.eps)
         return F.rms_norm(x, self.normalized_shape, self.weight, self.eps)
 
 

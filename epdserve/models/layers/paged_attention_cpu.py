@@ -17,6 +17,9 @@ the host CPU (``-march=native``) and cached by torch under its extensions direct
 holds a file lock while building, so concurrent first use by several processes builds once.
 ``is_available`` reports whether the build succeeded; callers fall back to the torch path
 when it did not.
+
+The same extension holds ``rms_norm`` (layers/norm.py): one pass over a row for its sum of
+squares and one for the output, where torch's CPU rms_norm runs about eight small ops.
 """
 
 from __future__ import annotations
@@ -80,7 +83,7 @@ def _load() -> ModuleType | None:
             _module = load_inline(
                 name=name,
                 cpp_sources=[_CPP_SOURCE_PATH.read_text(encoding="utf-8")],
-                functions=["paged_decode_attention"],
+                functions=["paged_decode_attention", "rms_norm"],
                 # -fopenmp: at::parallel_for is header code that runs serially without it; the
                 # extension then shares torch's bundled OpenMP runtime (same soname).
                 extra_cflags=["-O3", "-march=native", "-fopenmp"],
@@ -132,3 +135,18 @@ def paged_decode_attention(
     return module.paged_decode_attention(
         q, cache, block_tables, context_lens, float(scale), int(sliding_window)
     )
+
+
+def can_rms_norm(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """The kernel can normalise ``x`` with ``weight``: contiguous CPU tensors of one supported
+    dtype, and it is available."""
+    return (x.device.type == "cpu" and x.dtype == weight.dtype and x.dtype in SUPPORTED_DTYPES
+            and x.is_contiguous() and is_available())
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """y = weight * dtype(x * rsqrt(mean(x^2) + eps)) over the last dimension (float32 sums).
+    Requires ``can_rms_norm(x, weight)``."""
+    module = _load()
+    assert module is not None, "rms_norm called without is_available()"
+    return module.rms_norm(x, weight, float(eps))
