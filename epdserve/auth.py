@@ -17,6 +17,7 @@ the secret is a member of the cluster; nobody else gets a frame read.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import os
@@ -24,6 +25,7 @@ import secrets
 import socket
 import stat
 import struct
+from collections.abc import Iterator
 
 import zmq
 from zmq.utils import z85
@@ -155,19 +157,16 @@ def _mac(key: bytes, purpose: bytes, side: bytes, server_nonce: bytes, client_no
     return hmac.new(key, _MAGIC + purpose + side + server_nonce + client_nonce, hashlib.sha256).digest()
 
 
-def accept_peer(conn: socket.socket, key: bytes, purpose: bytes, timeout_s: float = HANDSHAKE_TIMEOUT_S) -> None:
-    """Listener side: the connecting peer must prove ``key`` for ``purpose`` (b"kv", b"slab")
-    within ``timeout_s``; raises AuthError otherwise. Then this side proves it back."""
+@contextlib.contextmanager
+def _handshake(conn: socket.socket, timeout_s: float) -> Iterator[None]:
+    """The handshake's deadline on ``conn`` (restored after); a socket error is an AuthError."""
     previous = conn.gettimeout()
     conn.settimeout(timeout_s)
     try:
-        server_nonce = secrets.token_bytes(_NONCE_BYTES)
-        conn.sendall(_MAGIC + server_nonce)
-        client_nonce, proof = _PROOF.unpack(_recv_exact(conn, _PROOF.size))
-        if not hmac.compare_digest(proof, _mac(key, purpose, b"C", server_nonce, client_nonce)):
-            raise AuthError("the peer does not hold the cluster key")
-        conn.sendall(_mac(key, purpose, b"S", server_nonce, client_nonce))
+        yield
     except (OSError, struct.error) as e:
+        if isinstance(e, AuthError):
+            raise
         raise AuthError(f"handshake failed: {e}") from None
     finally:
         try:
@@ -176,12 +175,22 @@ def accept_peer(conn: socket.socket, key: bytes, purpose: bytes, timeout_s: floa
             pass
 
 
+def accept_peer(conn: socket.socket, key: bytes, purpose: bytes, timeout_s: float = HANDSHAKE_TIMEOUT_S) -> None:
+    """Listener side: the connecting peer must prove ``key`` for ``purpose`` (b"kv", b"slab")
+    within ``timeout_s``; raises AuthError otherwise. Then this side proves it back."""
+    with _handshake(conn, timeout_s):
+        server_nonce = secrets.token_bytes(_NONCE_BYTES)
+        conn.sendall(_MAGIC + server_nonce)
+        client_nonce, proof = _PROOF.unpack(_recv_exact(conn, _PROOF.size))
+        if not hmac.compare_digest(proof, _mac(key, purpose, b"C", server_nonce, client_nonce)):
+            raise AuthError("the peer does not hold the cluster key")
+        conn.sendall(_mac(key, purpose, b"S", server_nonce, client_nonce))
+
+
 def prove_to_peer(conn: socket.socket, key: bytes, purpose: bytes, timeout_s: float = HANDSHAKE_TIMEOUT_S) -> None:
     """Connecting side of ``accept_peer``: raises AuthError when the listener does not hold
     ``key`` (or refused this side's proof)."""
-    previous = conn.gettimeout()
-    conn.settimeout(timeout_s)
-    try:
+    with _handshake(conn, timeout_s):
         hello = _recv_exact(conn, len(_MAGIC) + _NONCE_BYTES)
         if not hello.startswith(_MAGIC):
             raise AuthError("the peer is not an epdserve listener")
@@ -191,10 +200,3 @@ def prove_to_peer(conn: socket.socket, key: bytes, purpose: bytes, timeout_s: fl
         answer = _recv_exact(conn, 32)
         if not hmac.compare_digest(answer, _mac(key, purpose, b"S", server_nonce, client_nonce)):
             raise AuthError("the listener does not hold the cluster key")
-    except OSError as e:
-        raise AuthError(f"handshake failed: {e}") from None
-    finally:
-        try:
-            conn.settimeout(previous)
-        except OSError:
-            pass

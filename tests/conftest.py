@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import socket
+import time
+
 import pytest
 import torch
 
@@ -73,3 +76,18 @@ def hf_smollm2(smollm2_gguf):
 @pytest.fixture(scope="session")
 def hf_gemma3(gemma3_gguf):
     return _hf_model(gemma3_gguf)
+
+
+def closed_by_peer(sock: socket.socket, timeout_s: float = 10.0) -> bool:
+    """Whether the peer closed ``sock`` within ``timeout_s`` (reads drain what it sent)."""
+    deadline = time.monotonic() + timeout_s
+    try:
+        while (remaining := deadline - time.monotonic()) > 0:
+            sock.settimeout(remaining)
+            if not sock.recv(4096):
+                return True
+    except (ConnectionResetError, BrokenPipeError):
+        return True
+    except socket.timeout:
+        return False
+    return False

@@ -22,7 +22,6 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from epdserve.envs import EPDSERVE_CLUSTER_KEY, EPDSERVE_NODE_ID
@@ -96,6 +95,7 @@ class RayWorkers:
     max_restarts: int = 5
     workers: list[RayWorker] = field(default_factory=list)
     started_ray: bool = False
+    actor_class: object = None  # ray.remote(_WorkerActor), made once
 
     @classmethod
     def connect(cls, address: str, key: bytes, placement: str, cores_per_worker: int,
@@ -114,7 +114,8 @@ class RayWorkers:
                     raise ConfigError(f"cannot reach the Ray cluster at {address}") from None
                 ray.init(include_dashboard=False, log_to_driver=False)
                 started = True
-        return cls(key, placement, cores_per_worker, max_restarts, started_ray=started)
+        return cls(key, placement, cores_per_worker, max_restarts, started_ray=started,
+                   actor_class=ray.remote(_WorkerActor))
 
     @staticmethod
     def node_address() -> str:
@@ -124,7 +125,6 @@ class RayWorkers:
 
     def start(self, worker_id: str, role: str, router_address: str, worker_args: list[str],
               log_path: str | None = None) -> RayWorker:
-        ray = _import_ray()
         options: dict = {
             "name": f"{_ACTOR_PREFIX}{worker_id}-{os.getpid()}",
             "num_cpus": self.cores_per_worker,
@@ -137,9 +137,8 @@ class RayWorkers:
             options["scheduling_strategy"] = "SPREAD"
         elif self.placement == "by-label":
             options["label_selector"] = {ROLE_LABEL: role}
-        actor_class = ray.remote(_WorkerActor)
         argv = ["--role", role, "--router", router_address, "--worker-id", worker_id, *worker_args]
-        actor = actor_class.options(**options).remote(argv, log_path)
+        actor = self.actor_class.options(**options).remote(argv, log_path)
         worker = RayWorker(worker_id, role, actor, actor.run.remote())
         self.workers.append(worker)
         return worker
@@ -153,9 +152,6 @@ class RayWorkers:
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
         ready_ids = {id(r) for r in ready}
         return [w.worker_id for w in self.workers if id(w.run_ref) in ready_ids]
-
-    def all_alive(self) -> Callable[[], bool]:
-        return lambda: not self.stopped()
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """After the router told the workers to shut down: wait for their loops to end, then

@@ -220,8 +220,13 @@ async def serve(ns: argparse.Namespace) -> int:
     workers: list[LocalWorker] = []
     supervisor = WorkerSupervisor(restart_policy, lambda w: router.watch_process(w.worker_id, w.pid))
     counters: dict[str, int] = {}
-    all_alive = (lambda: all(w.process.poll() is None for w in workers)) if ray_workers is None \
-        else ray_workers.all_alive()
+
+    def exited() -> list[str]:
+        """Workers whose process (or Ray actor) ended."""
+        if ray_workers is not None:
+            return ray_workers.stopped()
+        return [w.worker_id for w in workers if w.process.poll() is not None]
+
     for role, cores in zip(roles, assign_cores(len(roles), ns.cores_per_worker)):
         counters[role] = counters.get(role, 0) + 1
         worker_id = f"{role}-{counters[role] - 1}"
@@ -240,9 +245,8 @@ async def serve(ns: argparse.Namespace) -> int:
         router.watch_process(worker_id, worker.pid)
     try:
         need = {role: roles.count(role) for role in set(roles)}
-        if not await router.wait_for_workers(need, ns.startup_timeout, all_alive):
-            dead = ([w.worker_id for w in workers if w.process.poll() is not None] if ray_workers is None
-                    else ray_workers.stopped())
+        if not await router.wait_for_workers(need, ns.startup_timeout, lambda: not exited()):
+            dead = exited()
             if dead:
                 logs = f" (logs in {ns.worker_log_dir})" if ns.worker_log_dir else ""
                 print(f"epdserve: error: workers exited during start-up: {', '.join(dead)}{logs}", file=sys.stderr)

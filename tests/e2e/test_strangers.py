@@ -13,6 +13,7 @@ import msgspec
 import pytest
 import torch
 import zmq
+from conftest import closed_by_peer
 from serving import SMALL, start_server, stop_server
 
 from epdserve.auth import AuthError, make_curve_client, new_key, prove_to_peer, read_key_file
@@ -37,18 +38,6 @@ def server(tmp_path_factory):
 def _address(listener: str) -> tuple[str, int]:
     host, port = listener.rsplit(":", 1)
     return host, int(port)
-
-
-def _closed_by_peer(sock: socket.socket, timeout_s: float = 10.0) -> bool:
-    sock.settimeout(timeout_s)
-    try:
-        while True:
-            if not sock.recv(4096):
-                return True
-    except (ConnectionResetError, BrokenPipeError):
-        return True
-    except socket.timeout:
-        return False
 
 
 def _complete(server) -> str:
@@ -93,7 +82,7 @@ def test_a_stranger_cannot_open_a_kv_or_slab_connection(server):
     for host, port in ((kv_host, kv_port), (slab_host, slab_port)):
         with socket.create_connection((host, port), timeout=5) as sock:
             sock.sendall(struct.pack("!I", 8) + b"\x95" * 8 + bytes(4096))
-            assert _closed_by_peer(sock)
+            assert closed_by_peer(sock)
     assert _complete(server)
     assert {w["pid"] for w in server.workers()} == {w["pid"] for w in workers.values()}
 
@@ -113,7 +102,7 @@ def test_a_member_frame_that_does_not_fit_is_refused_without_writing(server):
         # An oversized one: the header alone closes the connection.
         header = msgspec.msgpack.encode(LayerFrame("nobody", 12345, 0, 1 << 40, 1 << 50))
         sock.sendall(struct.pack("!I", len(header)) + header)
-        assert _closed_by_peer(sock)
+        assert closed_by_peer(sock)
     server.wait_until(lambda: server.worker(decode["id"])["load"]["num_kv_writes_refused"] >= before + 2, 10,
                       "the refused frames to be counted")
     assert server.worker(decode["id"])["pid"] == decode["pid"]

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 import zmq
+from conftest import closed_by_peer
 
 from epdserve.auth import AuthError, make_curve_client, new_key, parse_key, read_key_file, serve_key
 from epdserve.cluster import messages as m
@@ -77,21 +78,6 @@ def _raw_frame(frame: LayerFrame) -> bytes:
     return struct.pack("!I", len(header)) + header
 
 
-def _wait_closed(sock: socket.socket, timeout_s: float = 10.0) -> bool:
-    """Whether the peer closed ``sock`` within the timeout (reads drain what it sent)."""
-    sock.settimeout(timeout_s)
-    deadline = time.monotonic() + timeout_s
-    try:
-        while time.monotonic() < deadline:
-            if not sock.recv(4096):
-                return True
-    except (ConnectionResetError, BrokenPipeError):
-        return True
-    except socket.timeout:
-        return False
-    return False
-
-
 # -- the secret itself ------------------------------------------------------------------
 def test_key_files_are_private_and_well_formed(tmp_path):
     path = tmp_path / "cluster.key"
@@ -117,7 +103,7 @@ def test_kv_listener_refuses_a_peer_without_the_key(kv):
         stranger.recv(64)  # the listener's challenge
         frame = _raw_frame(LayerFrame("r", generation, 0, 4, 4 * 2 * HEADS * DIM * 4))
         stranger.sendall(frame + _slots([1]).numpy().tobytes() + _kv(7.0, 4).numpy().tobytes())
-        assert _wait_closed(stranger)
+        assert closed_by_peer(stranger)
     assert kv.receiver.num_refused_peers == 2
     assert float(kv.caches[0].abs().max()) == 0.0 and kv.landed == [] and kv.refused == []
 
@@ -164,7 +150,7 @@ def test_kv_frame_of_an_untrustworthy_size_closes_the_connection(kv, case):
                                    "size-mismatch": (4, (1 << 31), 0),
                                    "unknown-layer": (4, 4 * row_bytes, LAYERS)}[case]
             sock.sendall(_raw_frame(LayerFrame("r", generation, layer, tokens, size)))
-        assert _wait_closed(sock)
+        assert closed_by_peer(sock)
     finally:
         sock.close()
     assert float(kv.caches[0].abs().max()) == 0.0 and kv.landed == []
@@ -187,7 +173,7 @@ def test_slab_listener_refuses_strangers_and_frames_outside_the_slab():
             prove_to_peer(sock, KEY, b"slab")
             header = msgspec.msgpack.encode(SlabFrame("r", 0, 6, 4, 4 * 4 * 4))  # rows 6..10 of 8
             sock.sendall(struct.pack("!I", len(header)) + header + bytes(64))
-            assert _wait_closed(sock)
+            assert closed_by_peer(sock)
         assert receiver.num_refused_peers == 1 and receiver.num_refused_frames == 1
         assert float(rows.abs().max()) == 0.0 and landed == []
     finally:
