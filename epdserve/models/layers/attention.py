@@ -18,7 +18,6 @@ A sequence's query tokens are its last ``query_len`` positions: positions
 from __future__ import annotations
 
 import contextlib
-import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -26,7 +25,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from epdserve.config import cpu_has_fast_bf16
 from epdserve.models.layers import paged_attention_cpu
 
 
@@ -139,15 +137,13 @@ class Attention(nn.Module):
         return blocks[0, :context_len], blocks[1, :context_len]
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start_pos: int) -> torch.Tensor:
-        """One sequence: q [n, H, D] at positions start_pos.., k/v [start_pos+n, KVH, D]."""
+        """One sequence: q [n, H, D] at positions start_pos.., k/v [start_pos+n, KVH, D].
+
+        torch's fused kernel (flash attention on the CPU: float32 scores and softmax in key
+        blocks, bf16 matmuls through oneDNN where the CPU has them); a cached prefix or a
+        sliding window goes in as a boolean mask.
+        """
         num_queries, num_keys = q.shape[0], k.shape[0]
-        if (
-            q.device.type == "cpu"
-            and num_keys >= _BLOCKED_MIN_KEYS
-            and (self.sliding_window is None or num_keys <= self.sliding_window)
-            and is_blocked_prefill(q.dtype)
-        ):
-            return self._attend_blocked(q, k, v, start_pos)
         qb = q.transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
         kb = k.transpose(0, 1).unsqueeze(0).to(q.dtype)  # [1, KVH, S, D]
         vb = v.transpose(0, 1).unsqueeze(0).to(q.dtype)
@@ -162,44 +158,6 @@ class Attention(nn.Module):
                 mask &= k_pos[None, :] > q_pos[:, None] - self.sliding_window
             out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=self.scale, enable_gqa=gqa)
         return out[0].transpose(0, 1)
-
-    def _attend_blocked(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start_pos: int
-    ) -> torch.Tensor:
-        """Causal attention of one sequence on the CPU, ``_BLOCK_QUERIES`` queries at a time.
-
-        Each block of queries is scored against only the keys it can see (its prefix and
-        itself: the causal half is never computed) by batched matmuls with the GQA group's
-        query heads stacked as rows over their shared KV head. Scores and softmax are float32
-        (as in torch's flash kernel); the probabilities are rounded to the value dtype for the
-        second matmul. On one core this runs 1.4-2.5x faster than torch's CPU
-        ``scaled_dot_product_attention`` for prefill chunks over a cached prefix (which go
-        through its masked path) and ~1.4x for a whole causal prompt, at the same accuracy
-        (``benchmarks/prefill_attention.py``).
-        """
-        num_queries, num_keys = q.shape[0], k.shape[0]
-        kvh, group, dim = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim
-        qf = (q.float() * self.scale).view(num_queries, kvh, group, dim).permute(1, 2, 0, 3)
-        kt = k.float().permute(1, 2, 0).contiguous()  # [KVH, D, S]
-        vt = v.to(q.dtype).permute(1, 0, 2).contiguous()  # [KVH, S, D]
-        out = q.new_empty(kvh, group, num_queries, dim)
-        block_rows = group * min(num_queries, _BLOCK_QUERIES)
-        scores_buf = _scratch("scores", kvh * block_rows * num_keys, torch.float32, q.device)
-        probs_buf = _scratch("probs", kvh * block_rows * num_keys, vt.dtype, q.device)
-        for first in range(0, num_queries, _BLOCK_QUERIES):
-            last = min(num_queries, first + _BLOCK_QUERIES)
-            rows, seen = last - first, start_pos + last
-            qb = qf[:, :, first:last].reshape(kvh, group * rows, dim)
-            scores = scores_buf[: kvh * group * rows * seen].view(kvh, group * rows, seen)
-            torch.bmm(qb, kt[:, :, :seen], out=scores)
-            scores.view(kvh, group, rows, seen)[..., seen - rows :].masked_fill_(
-                _ABOVE_DIAGONAL[:rows, :rows], float("-inf")
-            )
-            torch.ops.aten._softmax.out(scores, -1, False, out=scores)
-            probs = probs_buf[: kvh * group * rows * seen].view(kvh, group * rows, seen)
-            probs.copy_(scores)
-            out[:, :, first:last] = torch.bmm(probs, vt[:, :seen]).view(kvh, group, rows, dim)
-        return out.permute(2, 0, 1, 3).reshape(num_queries, self.num_heads, dim)
 
     def _decode(
         self,
@@ -232,49 +190,6 @@ class Attention(nn.Module):
         qf = q.view(batch, self.num_kv_heads, group_size, self.head_dim)
         out = F.scaled_dot_product_attention(qf, k, v, attn_mask=mask[:, None, None, :], scale=self.scale)
         return out.reshape(batch, self.num_heads, self.head_dim)
-
-
-# Prefill attention on the CPU through Attention._attend_blocked rather than torch's
-# scaled_dot_product_attention (benchmarks/prefill_attention.py compares the two): True or
-# False forces one path; None takes the blocked one where it was measured faster, bf16 on a
-# CPU with a bf16 matmul path (1.4-2.5x). In float32 on an AVX2 CPU it ran 0.79-1.12x torch's.
-BLOCKED_CPU_PREFILL: bool | None = None
-
-
-def is_blocked_prefill(dtype: torch.dtype) -> bool:
-    """Whether CPU prefill attention in ``dtype`` takes ``Attention._attend_blocked``."""
-    if BLOCKED_CPU_PREFILL is not None:
-        return BLOCKED_CPU_PREFILL
-    return dtype == torch.bfloat16 and cpu_has_fast_bf16()
-
-# Queries per block in Attention._attend_blocked: 64 was fastest on one and two cores for
-# prompts of 56-2048 tokens (32 within 5 %, 128 and more up to 1.5x slower).
-_BLOCK_QUERIES = 64
-# A block's causal mask within itself (True: the key comes after the query); CPU only, as the path.
-_ABOVE_DIAGONAL = torch.ones(_BLOCK_QUERIES, _BLOCK_QUERIES, dtype=torch.bool).triu_(1)
-# Below this many keys torch's kernel is as fast or faster (a 56-token prompt: 0.16 vs 0.20 ms).
-_BLOCKED_MIN_KEYS = 128
-
-
-_scratch_local = threading.local()
-
-
-def _scratch(name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A reused 1-d buffer of at least ``numel`` elements, one per name and thread.
-
-    Score buffers of a few MB allocated afresh in every block are mapped and unmapped by the
-    allocator each time, and the page faults cost as much as the matmuls (``_attend_blocked``
-    ran 1.3-1.6x slower and twice as noisy without reuse).
-    """
-    buffers = _scratch_local.__dict__.setdefault("buffers", {})
-    key = (name, dtype, device)
-    buf = buffers.get(key)
-    if buf is None or buf.numel() < numel:
-        # A normal tensor even when first needed under inference mode: an inference tensor
-        # could not be written in place by a later call made outside it.
-        with torch.inference_mode(False):
-            buf = buffers[key] = torch.empty(numel, dtype=dtype, device=device)
-    return buf[:numel]
 
 
 def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
