@@ -122,8 +122,8 @@ class Gemma3Attention(nn.Module):
             sliding_window=spec.sliding_windows[layer_idx],
         )
 
-    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        return self.o_proj(qkv_attention(self, self.qkv_proj(hidden), cos, sin))
+    def forward(self, hidden: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+        return self.o_proj(qkv_attention(self, self.qkv_proj(hidden), cos_sin))
 
 
 class Gemma3DecoderLayer(nn.Module):
@@ -138,11 +138,18 @@ class Gemma3DecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = GemmaRMSNorm(*norm_args, **placement.tensor_args)
         self.post_feedforward_layernorm = GemmaRMSNorm(*norm_args, **placement.tensor_args)
 
-    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        attn_out = self.self_attn(self.input_layernorm(hidden), cos, sin)
-        hidden = self.post_attention_layernorm(attn_out).add_(hidden)
-        mlp_out = self.mlp(self.pre_feedforward_layernorm(hidden))
-        return self.post_feedforward_layernorm(mlp_out).add_(hidden)
+    def forward(
+        self, hidden: torch.Tensor, residual: torch.Tensor | None, cos_sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the previous layer's normed MLP output, the residual stream before it) -> this
+        layer's; each residual add is fused into the norm that follows it (as in Llama)."""
+        if residual is None:
+            normed, residual = self.input_layernorm(hidden), hidden
+        else:
+            normed, residual = self.input_layernorm.add_forward(hidden, residual)
+        attn_out = self.post_attention_layernorm(self.self_attn(normed, cos_sin))
+        normed, residual = self.pre_feedforward_layernorm.add_forward(attn_out, residual)
+        return self.post_feedforward_layernorm(self.mlp(normed)), residual
 
 
 class Gemma3Model(nn.Module):
@@ -164,10 +171,10 @@ class Gemma3Model(nn.Module):
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         cos_sin_global = self.rotary_emb_global.cos_sin(positions)
         cos_sin_local = self.rotary_emb_local.cos_sin(positions)
+        residual = None
         for layer in self.layers:
-            cos, sin = cos_sin_local if layer.is_sliding else cos_sin_global
-            hidden = layer(hidden, cos, sin)
-        return self.norm(hidden)
+            hidden, residual = layer(hidden, residual, cos_sin_local if layer.is_sliding else cos_sin_global)
+        return self.norm(hidden) if residual is None else self.norm.add_forward(hidden, residual)[0]
 
 
 class Gemma3ForCausalLM(nn.Module):

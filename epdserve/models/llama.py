@@ -119,15 +119,16 @@ class LlamaAttention(nn.Module):
             sliding_window=spec.sliding_windows[layer_idx],
         )
 
-    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        return self.o_proj(qkv_attention(self, self.qkv_proj(hidden), cos, sin))
+    def forward(self, hidden: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+        return self.o_proj(qkv_attention(self, self.qkv_proj(hidden), cos_sin))
 
 
-def qkv_attention(layer: nn.Module, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def qkv_attention(layer: nn.Module, qkv: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
     """Fused qkv [T, (H + 2 KVH) * D] -> attention output [T, H * D].
 
     q and k heads are adjacent in ``qkv``, so the optional per-head norm and the rotary
-    embedding run once over the [T, H + KVH, D] block. ``layer`` provides num_heads,
+    embedding run once over the [T, H + KVH, D] block (in place in ``qkv`` where the rotary
+    kernel runs: q, k and v are then views of it). ``layer`` provides num_heads,
     num_kv_heads, head_dim, qk_norm (module or None) and attn.
     """
     num_tokens = qkv.shape[0]
@@ -136,9 +137,9 @@ def qkv_attention(layer: nn.Module, qkv: torch.Tensor, cos: torch.Tensor, sin: t
     v = qkv[:, num_qk_heads * layer.head_dim :]
     if layer.qk_norm is not None:
         qk = layer.qk_norm(qk)
-    qk = apply_rotary(qk, cos, sin)
-    q = qk[:, : layer.num_heads].reshape(num_tokens, -1)
-    k = qk[:, layer.num_heads :].reshape(num_tokens, -1)
+    qk = apply_rotary(qk, cos_sin)
+    q = qk[:, : layer.num_heads].flatten(1)
+    k = qk[:, layer.num_heads :].flatten(1)
     return layer.attn(q, k, v)
 
 
@@ -170,9 +171,21 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(spec.hidden_size, eps, **tensor_args)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, eps, **tensor_args)
 
-    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        hidden = self.self_attn(self.input_layernorm(hidden), cos, sin).add_(hidden)
-        return self.mlp(self.post_attention_layernorm(hidden)).add_(hidden)
+    def forward(
+        self, hidden: torch.Tensor, residual: torch.Tensor | None, cos_sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the previous layer's MLP output, the residual stream before it) -> this layer's.
+
+        The residual add of each block is fused into the norm after it (the first layer's
+        input norm has none before it; the model's final norm takes the last layer's).
+        """
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = self.input_layernorm.add_forward(hidden, residual)
+        hidden = self.self_attn(hidden, cos_sin)
+        hidden, residual = self.post_attention_layernorm.add_forward(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaModel(nn.Module):
@@ -190,10 +203,11 @@ class LlamaModel(nn.Module):
         )
 
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        cos, sin = self.rotary_emb.cos_sin(positions)
+        cos_sin = self.rotary_emb.cos_sin(positions)
+        residual = None
         for layer in self.layers:
-            hidden = layer(hidden, cos, sin)
-        return self.norm(hidden)
+            hidden, residual = layer(hidden, residual, cos_sin)
+        return self.norm(hidden) if residual is None else self.norm.add_forward(hidden, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):

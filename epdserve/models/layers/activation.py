@@ -6,11 +6,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from epdserve.models.layers import paged_attention_cpu
+
 
 class SiluAndMul(nn.Module):
     """silu(gate) * up (SwiGLU: Llama, Qwen)."""
 
     def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if gate_up.is_contiguous() and paged_attention_cpu.can_run(gate_up):  # one kernel on the CPU
+            return paged_attention_cpu.silu_and_mul(gate_up)
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate).mul_(up)
 

@@ -36,6 +36,17 @@ class RMSNorm(nn.Module):
             return paged_attention_cpu.rms_norm(x, self.weight, self.eps)
         return F.rms_norm(x, self.normalized_shape, self.weight, self.eps)
 
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual add and this norm: ``residual = x + residual`` (rounded to the dtype),
+        returned with ``norm(residual)``. Both inputs may be overwritten (on the CPU one kernel
+        writes the sum into ``residual`` and the norm into ``x``)."""
+        if (paged_attention_cpu.can_rms_norm(x, self.weight) and residual.is_contiguous()
+                and residual.dtype == x.dtype and residual.shape == x.shape):
+            paged_attention_cpu.add_rms_norm_(x, residual, self.weight, self.eps)
+            return x, residual
+        residual = x.add_(residual)
+        return self(residual), residual
+
 
 class GemmaRMSNorm(RMSNorm):
     """Gemma's variant, y = norm(x) * (1 + w), with checkpoints storing w.

@@ -445,39 +445,224 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& cache, 
   return out;
 }
 
-// RMSNorm over the last dimension, one pass per row for the sum of squares (float32) and one
-// for the output, as Hugging Face's LlamaRMSNorm rounds it: y = w * dtype(x * rsqrt(mean(x^2) + eps)).
-// torch's CPU rms_norm runs ~8 ops per call (casts, pow, mean, rsqrt, muls): at decode's one row
-// per sequence those dominate a 576-wide norm.
+// --- Elementwise kernels: RMSNorm (alone and after the residual add), gated SiLU, rotary. ----
+//
+// Each rounds where the torch ops it replaces round (to the tensor's dtype after every op), so
+// its output is the same: r() below is a no-op in float32 and bf16's round-to-nearest-even
+// otherwise (NaN aside). Rows are processed in vectors of kW floats (AVX-512: 16, AVX2: 8) with
+// a scalar tail; work is split over threads only when a call has enough of it (a decode step's
+// 64 rows of 576 run on the calling thread: waking a second one costs more than the rows).
 namespace {
+
+// Elements per thread below which a call runs on the calling thread alone.
+constexpr int64_t kSerialElements = 1 << 15;
+
+inline int64_t row_grain(int64_t dim) { return std::max<int64_t>(1, kSerialElements / std::max<int64_t>(dim, 1)); }
+
+template <typename T>
+inline float rnd(float x) {
+  return std::is_same<T, float>::value ? x : static_cast<float>(static_cast<T>(x));
+}
+
+#if defined(__AVX512F__)
+constexpr int64_t kW = 16;
+using VF = __m512;
+inline VF vload(const float* p) { return _mm512_loadu_ps(p); }
+inline VF vload(const c10::BFloat16* p) { return load16(p); }
+// bf16 round-to-nearest-even kept in float32: add 0x7FFF plus the lowest kept bit, clear the rest.
+inline VF vround_bf16(VF x) {
+  const __m512i bits = _mm512_castps_si512(x);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i sum = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+  return _mm512_castsi512_ps(_mm512_and_si512(sum, _mm512_set1_epi32(int(0xFFFF0000u))));
+}
+inline void vstore(float* p, VF x) { _mm512_storeu_ps(p, x); }
+inline void vstore(c10::BFloat16* p, VF x) {
+  const __m512i high = _mm512_srli_epi32(_mm512_castps_si512(vround_bf16(x)), 16);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(high));
+}
+inline VF vset(float x) { return _mm512_set1_ps(x); }
+inline VF vadd(VF a, VF b) { return _mm512_add_ps(a, b); }
+inline VF vsub(VF a, VF b) { return _mm512_sub_ps(a, b); }
+inline VF vmul(VF a, VF b) { return _mm512_mul_ps(a, b); }
+inline VF vdiv(VF a, VF b) { return _mm512_div_ps(a, b); }
+inline VF vabs(VF a) { return _mm512_abs_ps(a); }
+inline VF vexp_nonpositive(VF x) { return exp_nonpositive(x); }
+inline VF vselect_nonnegative(VF x, VF if_nonneg, VF otherwise) {
+  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_GE_OQ), otherwise, if_nonneg);
+}
+inline float vsum(VF x) { return _mm512_reduce_add_ps(x); }
+#define EPD_VEC 1
+#elif defined(EPD_AVX2)
+constexpr int64_t kW = 8;
+using VF = __m256;
+inline VF vload(const float* p) { return _mm256_loadu_ps(p); }
+inline VF vload(const c10::BFloat16* p) { return load8(p); }
+inline VF vround_bf16(VF x) {
+  const __m256i bits = _mm256_castps_si256(x);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i sum = _mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF)));
+  return _mm256_castsi256_ps(_mm256_and_si256(sum, _mm256_set1_epi32(int(0xFFFF0000u))));
+}
+inline void vstore(float* p, VF x) { _mm256_storeu_ps(p, x); }
+inline void vstore(c10::BFloat16* p, VF x) {
+  const __m256i high = _mm256_srli_epi32(_mm256_castps_si256(vround_bf16(x)), 16);
+  const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(high), _mm256_extracti128_si256(high, 1));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
+}
+inline VF vset(float x) { return _mm256_set1_ps(x); }
+inline VF vadd(VF a, VF b) { return _mm256_add_ps(a, b); }
+inline VF vsub(VF a, VF b) { return _mm256_sub_ps(a, b); }
+inline VF vmul(VF a, VF b) { return _mm256_mul_ps(a, b); }
+inline VF vdiv(VF a, VF b) { return _mm256_div_ps(a, b); }
+inline VF vabs(VF a) { return _mm256_andnot_ps(_mm256_set1_ps(-0.f), a); }
+inline VF vexp_nonpositive(VF x) { return exp_nonpositive8(x); }
+inline VF vselect_nonnegative(VF x, VF if_nonneg, VF otherwise) {
+  return _mm256_blendv_ps(otherwise, if_nonneg, _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_GE_OQ));
+}
+inline float vsum(VF x) { return reduce_add8(x); }
+#define EPD_VEC 1
+#endif
+
+#ifdef EPD_VEC
+template <typename T>
+inline VF vrnd(VF x) {
+  if constexpr (std::is_same<T, float>::value) return x; else return vround_bf16(x);
+}
+#endif
+
+// sum of squares of a row, in float32.
+template <typename T>
+inline float sum_squares(const T* x, int64_t dim) {
+  int64_t i = 0;
+  float sum = 0.f;
+#ifdef EPD_VEC
+  VF acc = vset(0.f);
+  for (; i + kW <= dim; i += kW) {
+    const VF v = vload(x + i);
+    acc = vadd(acc, vmul(v, v));
+  }
+  sum = vsum(acc);
+#endif
+  for (; i < dim; ++i) {
+    const float v = static_cast<float>(x[i]);
+    sum += v * v;
+  }
+  return sum;
+}
+
+// y = r(w * r(x * inv)) over a row (Hugging Face's LlamaRMSNorm rounding).
+template <typename T>
+inline void scale_row(const T* x, const T* w, T* y, int64_t dim, float inv) {
+  int64_t i = 0;
+#ifdef EPD_VEC
+  const VF vinv = vset(inv);
+  for (; i + kW <= dim; i += kW) vstore(y + i, vmul(vload(w + i), vrnd<T>(vmul(vload(x + i), vinv))));
+#endif
+  for (; i < dim; ++i) y[i] = static_cast<T>(static_cast<float>(w[i]) * rnd<T>(static_cast<float>(x[i]) * inv));
+}
+
+template <typename T>
+inline float inv_rms(float sum, int64_t dim, float eps) {
+  return 1.f / std::sqrt(sum / static_cast<float>(dim) + eps);
+}
 
 template <typename T>
 void rms_norm_rows(const T* x, const T* w, T* out, int64_t rows, int64_t dim, float eps) {
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, row_grain(dim), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* xr = x + r * dim;
-      T* yr = out + r * dim;
-      float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-      for (int64_t i = 0; i < dim; ++i) {
-        const float v = static_cast<float>(xr[i]);
-        sum += v * v;
+      scale_row(xr, w, out + r * dim, dim, inv_rms<T>(sum_squares(xr, dim), dim, eps));
+    }
+  });
+}
+
+// residual = r(x + residual); x = rms_norm(residual), both in place.
+template <typename T>
+void add_rms_norm_rows(T* x, T* residual, const T* w, int64_t rows, int64_t dim, float eps) {
+  at::parallel_for(0, rows, row_grain(dim), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      T* xr = x + r * dim;
+      T* hr = residual + r * dim;
+      int64_t i = 0;
+#ifdef EPD_VEC
+      for (; i + kW <= dim; i += kW) vstore(hr + i, vadd(vload(xr + i), vload(hr + i)));
+#endif
+      for (; i < dim; ++i) hr[i] = static_cast<T>(static_cast<float>(xr[i]) + static_cast<float>(hr[i]));
+      scale_row(hr, w, xr, dim, inv_rms<T>(sum_squares(hr, dim), dim, eps));
+    }
+  });
+}
+
+// out = r(r(silu(gate)) * up) for rows [gate | up] of width 2 * inner.
+template <typename T>
+void silu_and_mul_rows(const T* in, T* out, int64_t rows, int64_t inner) {
+  at::parallel_for(0, rows, row_grain(2 * inner), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* gate = in + r * 2 * inner;
+      const T* up = gate + inner;
+      T* y = out + r * inner;
+      int64_t i = 0;
+#ifdef EPD_VEC
+      const VF one = vset(1.f);
+      for (; i + kW <= inner; i += kW) {
+        const VF g = vload(gate + i);
+        const VF e = vexp_nonpositive(vsub(vset(0.f), vabs(g)));  // exp(-|g|)
+        // sigmoid(g) = 1 / (1 + exp(-g)) for g >= 0, exp(g) / (1 + exp(g)) below.
+        const VF sig = vdiv(vselect_nonnegative(g, one, e), vadd(one, e));
+        vstore(y + i, vmul(vrnd<T>(vmul(g, sig)), vload(up + i)));
       }
-      const float inv = 1.f / std::sqrt(sum / static_cast<float>(dim) + eps);
-#pragma omp simd
-      for (int64_t i = 0; i < dim; ++i) {
-        const float normed = static_cast<float>(static_cast<T>(static_cast<float>(xr[i]) * inv));
-        yr[i] = static_cast<T>(static_cast<float>(w[i]) * normed);
+#endif
+      for (; i < inner; ++i) {
+        const float g = static_cast<float>(gate[i]);
+        y[i] = static_cast<T>(rnd<T>(g / (1.f + std::exp(-g))) * static_cast<float>(up[i]));
       }
     }
   });
 }
 
+// Rotary embedding in place on x [T, heads, D] (last dim contiguous): the halves x1, x2 of each
+// head become r(r(x1 c) - r(x2 s)) and r(r(x2 c) + r(x1 s)), with cos_sin [T, D] = [cos | sin].
+template <typename T>
+void rotary_rows(T* x, const T* cos_sin, int64_t tokens, int64_t heads, int64_t dim, int64_t token_stride,
+                 int64_t head_stride) {
+  const int64_t half = dim / 2;
+  at::parallel_for(0, tokens, row_grain(heads * dim), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const T* c = cos_sin + t * dim;
+      const T* s = c + half;
+      for (int64_t h = 0; h < heads; ++h) {
+        T* x1 = x + t * token_stride + h * head_stride;
+        T* x2 = x1 + half;
+        int64_t i = 0;
+#ifdef EPD_VEC
+        for (; i + kW <= half; i += kW) {
+          const VF a = vload(x1 + i), b = vload(x2 + i), vc = vload(c + i), vs = vload(s + i);
+          vstore(x1 + i, vsub(vrnd<T>(vmul(a, vc)), vrnd<T>(vmul(b, vs))));
+          vstore(x2 + i, vadd(vrnd<T>(vmul(b, vc)), vrnd<T>(vmul(a, vs))));
+        }
+#endif
+        for (; i < half; ++i) {
+          const float a = static_cast<float>(x1[i]), b = static_cast<float>(x2[i]);
+          const float ci = static_cast<float>(c[i]), si = static_cast<float>(s[i]);
+          x1[i] = static_cast<T>(rnd<T>(a * ci) - rnd<T>(b * si));
+          x2[i] = static_cast<T>(rnd<T>(b * ci) + rnd<T>(a * si));
+        }
+      }
+    }
+  });
+}
+
+void check_cpu(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
+  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16, name, ": float32 or bfloat16 only");
+}
+
 }  // namespace
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  TORCH_CHECK(x.is_contiguous() && weight.is_contiguous() && x.device().is_cpu() && weight.device().is_cpu(),
-              "contiguous CPU tensors only");
+  check_cpu(x, "x");
+  TORCH_CHECK(x.is_contiguous() && weight.is_contiguous(), "contiguous tensors only");
   TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "x and weight dtypes differ");
   const int64_t dim = weight.numel();
   TORCH_CHECK(dim > 0 && x.size(-1) == dim, "weight does not match x's last dimension");
@@ -487,9 +672,57 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
     rms_norm_rows<float>(x.data_ptr<float>(), weight.data_ptr<float>(), out.data_ptr<float>(), rows, dim,
                          static_cast<float>(eps));
   } else {
-    TORCH_CHECK(x.scalar_type() == at::kBFloat16, "float32 or bfloat16 only");
     rms_norm_rows<c10::BFloat16>(x.data_ptr<c10::BFloat16>(), weight.data_ptr<c10::BFloat16>(),
                                  out.data_ptr<c10::BFloat16>(), rows, dim, static_cast<float>(eps));
   }
   return out;
+}
+
+void add_rms_norm_(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight, double eps) {
+  check_cpu(x, "x");
+  TORCH_CHECK(x.is_contiguous() && residual.is_contiguous() && weight.is_contiguous(), "contiguous tensors only");
+  TORCH_CHECK(x.scalar_type() == residual.scalar_type() && x.scalar_type() == weight.scalar_type(), "dtypes differ");
+  TORCH_CHECK(x.sizes() == residual.sizes(), "x and residual shapes differ");
+  const int64_t dim = weight.numel();
+  TORCH_CHECK(dim > 0 && x.size(-1) == dim, "weight does not match x's last dimension");
+  const int64_t rows = x.numel() / dim;
+  if (x.scalar_type() == at::kFloat) {
+    add_rms_norm_rows<float>(x.data_ptr<float>(), residual.data_ptr<float>(), weight.data_ptr<float>(), rows, dim,
+                             static_cast<float>(eps));
+  } else {
+    add_rms_norm_rows<c10::BFloat16>(x.data_ptr<c10::BFloat16>(), residual.data_ptr<c10::BFloat16>(),
+                                     weight.data_ptr<c10::BFloat16>(), rows, dim, static_cast<float>(eps));
+  }
+}
+
+at::Tensor silu_and_mul(const at::Tensor& gate_up) {
+  check_cpu(gate_up, "gate_up");
+  TORCH_CHECK(gate_up.is_contiguous() && gate_up.dim() >= 1 && gate_up.size(-1) % 2 == 0,
+              "a contiguous [.., 2 * inner] tensor");
+  const int64_t inner = gate_up.size(-1) / 2;
+  std::vector<int64_t> shape(gate_up.sizes().begin(), gate_up.sizes().end());
+  shape.back() = inner;
+  at::Tensor out = at::empty(shape, gate_up.options());
+  const int64_t rows = inner ? gate_up.numel() / (2 * inner) : 0;
+  if (gate_up.scalar_type() == at::kFloat) {
+    silu_and_mul_rows<float>(gate_up.data_ptr<float>(), out.data_ptr<float>(), rows, inner);
+  } else {
+    silu_and_mul_rows<c10::BFloat16>(gate_up.data_ptr<c10::BFloat16>(), out.data_ptr<c10::BFloat16>(), rows, inner);
+  }
+  return out;
+}
+
+void rotary_(const at::Tensor& x, const at::Tensor& cos_sin) {
+  check_cpu(x, "x");
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1, "x must be [tokens, heads, head_dim] with contiguous heads");
+  TORCH_CHECK(cos_sin.is_contiguous() && cos_sin.scalar_type() == x.scalar_type(), "cos_sin: contiguous, x's dtype");
+  const int64_t tokens = x.size(0), heads = x.size(1), dim = x.size(2);
+  TORCH_CHECK(dim % 2 == 0 && cos_sin.dim() == 2 && cos_sin.size(0) == tokens && cos_sin.size(1) == dim,
+              "cos_sin must be [tokens, head_dim], head_dim even");
+  if (x.scalar_type() == at::kFloat) {
+    rotary_rows<float>(x.data_ptr<float>(), cos_sin.data_ptr<float>(), tokens, heads, dim, x.stride(0), x.stride(1));
+  } else {
+    rotary_rows<c10::BFloat16>(x.data_ptr<c10::BFloat16>(), cos_sin.data_ptr<c10::BFloat16>(), tokens, heads, dim,
+                               x.stride(0), x.stride(1));
+  }
 }

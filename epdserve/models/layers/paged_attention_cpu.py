@@ -18,8 +18,11 @@ holds a file lock while building, so concurrent first use by several processes b
 ``is_available`` reports whether the build succeeded; callers fall back to the torch path
 when it did not.
 
-The same extension holds ``rms_norm`` (layers/norm.py): one pass over a row for its sum of
-squares and one for the output, where torch's CPU rms_norm runs about eight small ops.
+The same extension holds the elementwise kernels of a decoder layer on the CPU: ``rms_norm``
+and ``add_rms_norm_`` (the residual add and the next norm in one pass; layers/norm.py),
+``silu_and_mul`` (layers/activation.py) and ``rotary_`` (in place, layers/rotary.py). Each
+replaces several torch ops (RMSNorm alone was about eight) and rounds where they round, so the
+output is the same; small calls (a decode step's rows) run on the calling thread.
 """
 
 from __future__ import annotations
@@ -83,10 +86,12 @@ def _load() -> ModuleType | None:
             _module = load_inline(
                 name=name,
                 cpp_sources=[_CPP_SOURCE_PATH.read_text(encoding="utf-8")],
-                functions=["paged_decode_attention", "rms_norm"],
+                functions=["paged_decode_attention", "rms_norm", "add_rms_norm_", "silu_and_mul", "rotary_"],
                 # -fopenmp: at::parallel_for is header code that runs serially without it; the
                 # extension then shares torch's bundled OpenMP runtime (same soname).
-                extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                # -ffp-contract=off: a * b + c stays two roundings, as in the torch ops the
+                # elementwise kernels replace (the attention kernel asks for FMAs explicitly).
+                extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
                 extra_ldflags=["-fopenmp"],
             )
         except Exception as exc:  # noqa: BLE001 - no compiler, no ninja, a failed build: torch path
@@ -144,9 +149,39 @@ def can_rms_norm(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and x.is_contiguous() and is_available())
 
 
+def can_run(x: torch.Tensor) -> bool:
+    """An elementwise kernel can take ``x``: a CPU tensor of a supported dtype, and the
+    extension is available (each kernel's own layout requirements are its caller's)."""
+    return x.device.type == "cpu" and x.dtype in SUPPORTED_DTYPES and is_available()
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """y = weight * dtype(x * rsqrt(mean(x^2) + eps)) over the last dimension (float32 sums).
     Requires ``can_rms_norm(x, weight)``."""
     module = _load()
     assert module is not None, "rms_norm called without is_available()"
     return module.rms_norm(x, weight, float(eps))
+
+
+def add_rms_norm_(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+    """In place: ``residual = dtype(x + residual)``, then ``x = rms_norm(residual)``. Contiguous
+    tensors of one dtype, x and residual of one shape. Requires ``can_rms_norm(x, weight)``."""
+    module = _load()
+    assert module is not None, "add_rms_norm_ called without is_available()"
+    module.add_rms_norm_(x, residual, weight, float(eps))
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[.., 2 I] contiguous -> [.., I]: dtype(dtype(silu(gate)) * up). Requires ``can_run``."""
+    module = _load()
+    assert module is not None, "silu_and_mul called without is_available()"
+    return module.silu_and_mul(gate_up)
+
+
+def rotary_(x: torch.Tensor, cos_sin: torch.Tensor) -> None:
+    """Rotate x [T, heads, D] (last dim contiguous, any token and head strides) in place by
+    cos_sin [T, D] (= [cos | sin], contiguous, x's dtype), rounding as ``rotary.apply_rotary``
+    does. Requires ``can_run(x)``."""
+    module = _load()
+    assert module is not None, "rotary_ called without is_available()"
+    module.rotary_(x, cos_sin)

@@ -21,6 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from epdserve.models.layers import paged_attention_cpu
+
 ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -103,13 +105,20 @@ class RotaryEmbedding(nn.Module):
         cache = torch.cat((angles.cos(), angles.sin()), dim=-1)
         self.register_buffer("cos_sin_cache", cache.to(device=device, dtype=dtype), persistent=False)
 
-    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T] int64 -> (cos, sin), each [T, 1, head_dim / 2] (broadcast over heads)."""
-        cos_sin = self.cos_sin_cache.index_select(0, positions).unsqueeze(1)
-        return cos_sin.chunk(2, dim=-1)
+    def cos_sin(self, positions: torch.Tensor) -> torch.Tensor:
+        """positions [T] int64 -> their [T, head_dim] rows ``[cos | sin]`` (for ``apply_rotary``)."""
+        return self.cos_sin_cache.index_select(0, positions)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [T, num_heads, D] by (cos, sin) [T, 1, D/2]; returns a new [T, num_heads, D]."""
+def apply_rotary(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [T, num_heads, D] by cos_sin [T, D] (``RotaryEmbedding.cos_sin``).
+
+    On the CPU one kernel rotates x in place and returns it; elsewhere a new tensor. Either
+    way each product and sum is rounded to x's dtype, as Hugging Face's rotate_half computes it.
+    """
+    if x.stride(-1) == 1 and cos_sin.dtype == x.dtype and paged_attention_cpu.can_run(x):
+        paged_attention_cpu.rotary_(x, cos_sin)
+        return x
+    cos, sin = cos_sin.unsqueeze(1).chunk(2, dim=-1)
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
