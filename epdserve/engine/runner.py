@@ -123,8 +123,10 @@ class ModelRunner:
                 sample_entries.append(e)
         out = RunnerOutput({}, {}, len(input_ids))
         if sample_rows:
-            logits = self.model.compute_logits(hidden[sample_rows])
-            self._sample(logits, [e.request for e in sample_entries], out)
+            requests = [e.request for e in sample_entries]
+            # Plain greedy rows need only an argmax: no float32 copy of [N, vocab] logits.
+            logits = self.model.compute_logits(hidden[sample_rows], float32=self.sampler.needs_float32(requests))
+            self._sample(logits, requests, out)
         return out
 
     def _sample(self, logits: torch.Tensor, requests: list[Request], out: RunnerOutput) -> None:

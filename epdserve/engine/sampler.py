@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from epdserve.faults import FaultKind, FaultPlan
+from epdserve.models.layers import paged_attention_cpu
 from epdserve.request import Request
 
 
@@ -28,6 +29,15 @@ class SampleResult:
     logprobs: list[TokenLogprobs | None]
 
 
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """[N, V] -> [N] int64, each row's first maximum (argmax's choice). On the CPU one kernel
+    (0.1 ms for 64 x 49,152 bf16 logits, where torch's max(dim) took 1.2 ms); elsewhere
+    max(dim).indices (a third of argmax's time)."""
+    if logits.dim() == 2 and logits.shape[1] > 0 and logits.stride(1) == 1 and paged_attention_cpu.can_run(logits):
+        return paged_attention_cpu.argmax_rows(logits)
+    return logits.max(dim=-1).indices
+
+
 class Sampler:
     def __init__(self, seed: int, device: torch.device) -> None:
         self.device = device
@@ -38,8 +48,21 @@ class Sampler:
     def release(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
 
+    @staticmethod
+    def needs_float32(requests: list[Request]) -> bool:
+        """Whether sampling these rows computes with the logits (temperature, penalties, bans,
+        logprobs) and so needs them in float32; plain greedy rows only take an argmax, which
+        the model's dtype gives exactly."""
+        for r in requests:
+            params = r.sampling
+            if (not params.is_greedy or params.logprobs is not None or params.repetition_penalty != 1.0
+                    or len(r.output_token_ids) < params.min_tokens):
+                return True
+        return False
+
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SampleResult:
-        """logits [N, vocab] float32, one row per request."""
+        """logits [N, vocab] float32 (or any dtype where ``needs_float32`` is False), one row
+        per request."""
         raw_logits = logits
         if any(r.sampling.logprobs is not None for r in requests):
             raw_logprobs = torch.log_softmax(raw_logits, dim=-1)
@@ -47,9 +70,7 @@ class Sampler:
             raw_logprobs = None
         logits = self._apply_penalties_and_bans(logits, requests)
 
-        # max(dim).indices: the first maximum, as argmax gives it, in a third of argmax's time
-        # on the CPU (0.16 vs 0.50 ms for 16 x 49,152 float32 logits).
-        token_ids = logits.max(dim=-1).indices
+        token_ids = greedy_tokens(logits)
         random_rows = [i for i, r in enumerate(requests) if not r.sampling.is_greedy]
         if random_rows:
             sampled = self._sample_rows(logits, requests, random_rows)

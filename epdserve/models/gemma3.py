@@ -217,10 +217,13 @@ class Gemma3ForCausalLM(nn.Module):
         hidden = self.embed(input_ids) if input_embeds is None else input_embeds
         return self.model(hidden, positions)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden] -> logits [N, vocab] float32 (softcapped where configured)."""
-        logits = self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
+        """hidden [N, hidden] -> logits [N, vocab] float32 (softcapped where configured; with
+        ``float32=False`` and no softcap, in the model's dtype, as in Llama)."""
+        logits = self.lm_head(hidden)
         cap = self.config.final_logit_softcapping
+        if float32 or cap is not None:
+            logits = logits.float()
         if cap is not None:
             logits = torch.tanh(logits / cap).mul_(cap)
         return logits

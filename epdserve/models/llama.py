@@ -249,9 +249,11 @@ class LlamaForCausalLM(nn.Module):
         hidden = self.embed(input_ids) if input_embeds is None else input_embeds
         return self.model(hidden, positions)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden] -> logits [N, vocab] float32."""
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
+        """hidden [N, hidden] -> logits [N, vocab]: float32, or with ``float32=False`` in the
+        model's dtype (enough for an argmax: the cast is exact)."""
+        logits = self.lm_head(hidden)
+        return logits.float() if float32 else logits
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy full (unsharded) Hugging Face tensors into this rank's parameters."""

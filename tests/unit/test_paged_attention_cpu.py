@@ -170,3 +170,94 @@ def test_rms_norm_kernel_rounds_as_the_reference(dtype, shape):
     tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 0.02, "rtol": 0.01}
     torch.testing.assert_close(got, expected, **tol)
     assert got.dtype == dtype and got.shape == x.shape
+
+
+# Tolerances of the elementwise kernels against the torch ops they replace: bfloat16 rounds each
+# op as torch does (a rounding step apart at most where float32 sums run in another order);
+# float32 differs by float32 rounding (sum order, the exponential's polynomial).
+_EXACT = {torch.float32: {"atol": 1e-5, "rtol": 1e-5}, torch.bfloat16: {"atol": 0.0, "rtol": 0.0}}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 576), (64, 576), (2048, 576), (5, 37)])
+def test_add_rms_norm_is_the_add_then_the_norm(dtype, shape):
+    """residual <- dtype(x + residual) exactly; x <- rms_norm(residual) as the kernel alone."""
+    gen = torch.Generator().manual_seed(shape[0])
+    x, residual = ((torch.randn(shape, generator=gen) * 3).to(dtype) for _ in range(2))
+    weight = torch.randn(shape[-1], generator=gen).to(dtype)
+    expected_sum = x + residual
+    expected_norm = paged_attention_cpu.rms_norm(expected_sum, weight, 1e-6)
+    paged_attention_cpu.add_rms_norm_(x, residual, weight, 1e-6)
+    assert torch.equal(residual, expected_sum)
+    assert torch.equal(x, expected_norm)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 3072), (64, 3072), (3, 2, 26), (700, 3072)])
+def test_silu_and_mul_matches_torch(dtype, shape):
+    gen = torch.Generator().manual_seed(shape[0])
+    gate_up = (torch.randn(shape, generator=gen) * 4).to(dtype)
+    gate_up[..., 0] = torch.tensor([-200.0, 200.0, 0.0][shape[0] % 3])  # exp's far ends
+    gate, up = gate_up.chunk(2, dim=-1)
+    expected = torch.nn.functional.silu(gate).mul_(up)
+    got = paged_attention_cpu.silu_and_mul(gate_up)
+    assert got.shape == expected.shape and got.dtype == dtype
+    if dtype == torch.bfloat16:  # a rounding step apart, and only where a product ties
+        diff = got.float() - expected.float()
+        assert (diff != 0).float().mean() < 1e-3
+        torch.testing.assert_close(got, expected, atol=0.02, rtol=0.01)
+    else:
+        torch.testing.assert_close(got, expected, **_EXACT[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens,heads,dim", [(1, 12, 64), (64, 12, 64), (9, 5, 256), (3, 2, 10)])
+def test_rotary_in_place_matches_rotate_half(dtype, tokens, heads, dim):
+    """In place over the q and k heads of a fused qkv row (strided), leaving v untouched; each
+    product and sum rounded as torch's ops round them."""
+    from epdserve.models.layers import rotary
+
+    gen = torch.Generator().manual_seed(tokens * heads)
+    qkv = torch.randn(tokens, (heads + 2) * dim, generator=gen).to(dtype)
+    cos_sin = torch.randn(tokens, dim, generator=gen).to(dtype)
+    x = qkv[:, : heads * dim].view(tokens, heads, dim)
+    v_before = qkv[:, heads * dim :].clone()
+    cos, sin = cos_sin.unsqueeze(1).chunk(2, dim=-1)
+    x1, x2 = x.chunk(2, dim=-1)
+    expected = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    assert rotary.apply_rotary(x, cos_sin) is x
+    assert torch.equal(x, expected)
+    assert torch.equal(qkv[:, heads * dim :], v_before)
+
+
+def test_elementwise_kernels_refuse_bad_inputs():
+    """Shape and dtype mismatches raise (a RuntimeError), never write out of bounds."""
+    x = torch.randn(4, 8)
+    with pytest.raises(RuntimeError):
+        paged_attention_cpu.add_rms_norm_(x, torch.randn(4, 9), torch.randn(8), 1e-6)
+    with pytest.raises(RuntimeError):
+        paged_attention_cpu.add_rms_norm_(x, torch.randn(4, 8).bfloat16(), torch.randn(8), 1e-6)
+    with pytest.raises(RuntimeError):
+        paged_attention_cpu.silu_and_mul(torch.randn(4, 7))
+    with pytest.raises(RuntimeError):
+        paged_attention_cpu.rotary_(torch.randn(4, 2, 8), torch.randn(3, 8))
+    with pytest.raises(RuntimeError):
+        paged_attention_cpu.rotary_(torch.randn(4, 2, 8), torch.randn(4, 8).bfloat16())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab", [1, 5, 17, 49152])
+def test_argmax_rows_is_torch_first_maximum(dtype, vocab):
+    """The first maximum of each row, ties, infinities and NaNs (the first NaN wins) as torch's
+    max(dim).indices; rows may be strided."""
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(12, vocab + 3, generator=gen).to(dtype)[:, :vocab]
+    logits[1] = 1.0  # all tied: index 0
+    logits[2] = float("-inf")
+    logits[3, -1] = float("inf")
+    logits[4, vocab // 2] = float("nan")
+    logits[5, -1] = float("nan")
+    logits[6, vocab // 3 :] = 7.0  # a tie after the start
+    got = paged_attention_cpu.argmax_rows(logits)
+    assert got.dtype == torch.int64
+    assert torch.equal(got, logits.max(dim=-1).indices)

@@ -726,3 +726,71 @@ void rotary_(const at::Tensor& x, const at::Tensor& cos_sin) {
                                x.stride(0), x.stride(1));
   }
 }
+
+// Greedy sampling: the index of each row's first maximum (as torch's max(dim).indices; a NaN
+// counts as the maximum, the first one wins). Rows are split over threads when there are enough.
+namespace {
+
+template <typename T>
+int64_t first_nan(const T* x, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) {
+    if (std::isnan(static_cast<float>(x[j]))) return j;
+  }
+  return -1;
+}
+
+// One pass: per lane the largest value and where it was first seen (a strictly larger value
+// replaces it), then the largest lane value and the lowest index holding it.
+template <typename T>
+int64_t argmax_row(const T* x, int64_t n) {
+  float best = -std::numeric_limits<float>::infinity();
+  int64_t best_index = 0;
+  int64_t i = 0;
+#ifdef __AVX512F__
+  if (n >= 16 && n < (int64_t(1) << 31)) {
+    __m512 vbest = vload(x);
+    __m512i vindex = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __m512i lane_index = vindex;
+    __mmask16 nan_lanes = _mm512_cmp_ps_mask(vbest, vbest, _CMP_UNORD_Q);
+    for (i = 16; i + 16 <= n; i += 16) {
+      lane_index = _mm512_add_epi32(lane_index, _mm512_set1_epi32(16));
+      const __m512 v = vload(x + i);
+      nan_lanes |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+      const __mmask16 larger = _mm512_cmp_ps_mask(v, vbest, _CMP_GT_OQ);
+      vbest = _mm512_mask_blend_ps(larger, vbest, v);
+      vindex = _mm512_mask_blend_epi32(larger, vindex, lane_index);
+    }
+    if (nan_lanes) return first_nan(x, n);
+    best = _mm512_reduce_max_ps(vbest);
+    const __mmask16 at_best = _mm512_cmp_ps_mask(vbest, _mm512_set1_ps(best), _CMP_EQ_OQ);
+    best_index = _mm512_mask_reduce_min_epi32(at_best, vindex);
+  }
+#endif
+  for (; i < n; ++i) {
+    const float v = static_cast<float>(x[i]);
+    if (std::isnan(v)) return first_nan(x, n);
+    if (v > best || (i == 0)) {
+      best = v;
+      best_index = i;
+    }
+  }
+  return best_index;
+}
+
+}  // namespace
+
+at::Tensor argmax_rows(const at::Tensor& logits) {
+  check_cpu(logits, "logits");
+  TORCH_CHECK(logits.dim() == 2 && logits.stride(1) == 1 && logits.size(1) > 0,
+              "logits must be [rows, n > 0] with contiguous rows");
+  const int64_t rows = logits.size(0), n = logits.size(1), stride = logits.stride(0);
+  at::Tensor out = at::empty({rows}, logits.options().dtype(at::kLong));
+  int64_t* dst = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, row_grain(n), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      dst[r] = logits.scalar_type() == at::kFloat ? argmax_row(logits.data_ptr<float>() + r * stride, n)
+                                                  : argmax_row(logits.data_ptr<c10::BFloat16>() + r * stride, n);
+    }
+  });
+  return out;
+}

@@ -81,12 +81,17 @@ def _load() -> ModuleType | None:
         try:
             from torch.utils.cpp_extension import load_inline
 
-            name = f"{_EXTENSION_NAME}_{_cpu_tag()}"
+            source = _CPP_SOURCE_PATH.read_text(encoding="utf-8")
+            # The source's hash in the name: two versions of the package on one machine each
+            # keep their build (under one name torch would rebuild whenever the other ran).
+            source_tag = hashlib.blake2b(source.encode(), digest_size=4).hexdigest()
+            name = f"{_EXTENSION_NAME}_{_cpu_tag()}_{source_tag}"
             _remove_stale_lock(name)
             _module = load_inline(
                 name=name,
-                cpp_sources=[_CPP_SOURCE_PATH.read_text(encoding="utf-8")],
-                functions=["paged_decode_attention", "rms_norm", "add_rms_norm_", "silu_and_mul", "rotary_"],
+                cpp_sources=[source],
+                functions=["paged_decode_attention", "rms_norm", "add_rms_norm_", "silu_and_mul", "rotary_",
+                           "argmax_rows"],
                 # -fopenmp: at::parallel_for is header code that runs serially without it; the
                 # extension then shares torch's bundled OpenMP runtime (same soname).
                 # -ffp-contract=off: a * b + c stays two roundings, as in the torch ops the
@@ -185,3 +190,11 @@ def rotary_(x: torch.Tensor, cos_sin: torch.Tensor) -> None:
     module = _load()
     assert module is not None, "rotary_ called without is_available()"
     module.rotary_(x, cos_sin)
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """[N, V] (rows contiguous, V > 0) -> [N] int64: each row's first maximum, a NaN counting
+    as the maximum, as ``logits.max(-1).indices``. Requires ``can_run(logits)``."""
+    module = _load()
+    assert module is not None, "argmax_rows called without is_available()"
+    return module.argmax_rows(logits)
