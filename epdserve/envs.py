@@ -72,3 +72,13 @@ def get_node_id() -> str | None:
     (a Ray node id); workers on the same node write each other's memory directly."""
     value = os.environ.get(EPDSERVE_NODE_ID, "").strip()
     return value or None
+
+
+EPDSERVE_KEEP_FREED_MEMORY = "EPDSERVE_KEEP_FREED_MEMORY"
+
+
+def is_keep_freed_memory_enabled() -> bool:
+    """False when ``$EPDSERVE_KEEP_FREED_MEMORY`` is 0/false/no/off: an engine's process then
+    keeps glibc malloc's default thresholds (``epdserve/engine/host_memory.py``)."""
+    value = os.environ.get(EPDSERVE_KEEP_FREED_MEMORY, "").strip().lower()
+    return value not in ("0", "false", "no", "off")

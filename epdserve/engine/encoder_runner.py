@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from epdserve.engine.failures import describe, is_fatal
+from epdserve.engine.host_memory import keep_freed_memory
 from epdserve.errors import InvalidRequestError
 from epdserve.models.image_processing import ImagePolicy, decode_image, preprocess
 from epdserve.models.multimodal import encode_images
@@ -72,6 +73,7 @@ class EncodeResult:
 
 class EncoderRunner:
     def __init__(self, encoder: VisionEncoder, policy: ImagePolicy, cache_bytes: int) -> None:
+        keep_freed_memory()  # the process's freed activations stay for the next image
         self.encoder = encoder
         self.policy = policy
         self.cache = EncoderCache(cache_bytes)

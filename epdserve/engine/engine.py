@@ -24,6 +24,7 @@ import torch
 from epdserve.config import EngineArgs, EngineConfig, resolve_device_name, resolve_dtype_name
 from epdserve.engine.detokenizer import FaultInjectingDetokenizer, IncrementalDetokenizer
 from epdserve.engine.failures import describe, is_fatal
+from epdserve.engine.host_memory import keep_freed_memory
 from epdserve.engine.kv_cache import KVCacheManager, make_group_specs
 from epdserve.engine.outputs import (
     ERROR_FINISH_REASON,
@@ -63,6 +64,7 @@ class LLMEngine(PDRoles):
         kv_cache_allocator: KVCacheAllocator | None = None,
     ) -> None:
         """``kv_cache_allocator(shapes, dtype)`` places the KV pages (e.g. in shared memory)."""
+        keep_freed_memory()  # the process's freed activations stay for the next step
         device_name = resolve_device_name(args.device)
         dtype = getattr(torch, resolve_dtype_name(args.dtype, device_name))
         device = torch.device(device_name)
