@@ -562,7 +562,6 @@ inline void scale_row(const T* x, const T* w, T* y, int64_t dim, float inv) {
   for (; i < dim; ++i) y[i] = static_cast<T>(static_cast<float>(w[i]) * rnd<T>(static_cast<float>(x[i]) * inv));
 }
 
-template <typename T>
 inline float inv_rms(float sum, int64_t dim, float eps) {
   return 1.f / std::sqrt(sum / static_cast<float>(dim) + eps);
 }
@@ -572,7 +571,7 @@ void rms_norm_rows(const T* x, const T* w, T* out, int64_t rows, int64_t dim, fl
   at::parallel_for(0, rows, row_grain(dim), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* xr = x + r * dim;
-      scale_row(xr, w, out + r * dim, dim, inv_rms<T>(sum_squares(xr, dim), dim, eps));
+      scale_row(xr, w, out + r * dim, dim, inv_rms(sum_squares(xr, dim), dim, eps));
     }
   });
 }
@@ -589,7 +588,7 @@ void add_rms_norm_rows(T* x, T* residual, const T* w, int64_t rows, int64_t dim,
       for (; i + kW <= dim; i += kW) vstore(hr + i, vadd(vload(xr + i), vload(hr + i)));
 #endif
       for (; i < dim; ++i) hr[i] = static_cast<T>(static_cast<float>(xr[i]) + static_cast<float>(hr[i]));
-      scale_row(hr, w, xr, dim, inv_rms<T>(sum_squares(hr, dim), dim, eps));
+      scale_row(hr, w, xr, dim, inv_rms(sum_squares(hr, dim), dim, eps));
     }
   });
 }
