@@ -30,6 +30,10 @@ class SamplingParams:
     logprobs: int | None = None  # number of top alternatives to return with each token
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # Added to the logits of the named tokens before sampling (OpenAI's logit_bias): (id, bias)
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    # The llguidance grammar the output must follow (``epdserve.structured``); None: free text
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -37,6 +41,7 @@ class SamplingParams:
         else:
             object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "logit_bias", tuple((int(t), float(b)) for t, b in self.logit_bias))
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
         checks = [
@@ -59,6 +64,10 @@ class SamplingParams:
                 f"logprobs must be between 0 and 20, got {self.logprobs}",
             ),
             (all(s for s in self.stop), "stop strings must not be empty"),
+            (all(t >= 0 and -100.0 <= b <= 100.0 for t, b in self.logit_bias),
+             "logit_bias takes token ids and biases in [-100, 100]"),
+            (self.grammar is None or not (self.ignore_eos or self.min_tokens),
+             "a structured output ends where its grammar does: ignore_eos and min_tokens do not apply"),
         ]
         for ok, message in checks:
             if not ok:

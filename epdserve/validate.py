@@ -50,6 +50,8 @@ class RequestLimits:
     min_repetition_penalty: float = 0.01
     max_repetition_penalty: float = 100.0
     max_abs_presence_penalty: float = 2.0  # presence_penalty and frequency_penalty
+    max_logit_bias: int = 1024  # entries of logit_bias
+    max_abs_logit_bias: float = 100.0
     # The longest token's text: a prompt text longer than this x max_model_len cannot fit,
     # and is refused before it is tokenized.
     max_chars_per_token: int = DEFAULT_MAX_CHARS_PER_TOKEN
@@ -89,6 +91,8 @@ class SamplingFields:
     ignore_eos: bool | None = None
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
+    logit_bias: object = None  # {"token id": bias}
+    grammar: str | None = None  # from epdserve.structured.grammar_for (already checked)
     max_tokens_name: str = "max_tokens"  # the field max_tokens came from, for error messages
 
 
@@ -181,6 +185,11 @@ def check_prompt_length(num_tokens: int, max_model_len: int, param: str = "promp
 def check_prompt_ids(token_ids: Sequence[int], limits: RequestLimits, param: str = "prompt") -> None:
     """Prompt token ids: 1 .. max_model_len - 1 of them, each in the vocabulary."""
     check_prompt_length(len(token_ids), limits.max_model_len, param)
+    check_token_ids(token_ids, limits, param)
+
+
+def check_token_ids(token_ids: Sequence[int], limits: RequestLimits, param: str) -> None:
+    """Each id in the vocabulary."""
     for token_id in token_ids:
         if not isinstance(token_id, int) or isinstance(token_id, bool) or not 0 <= token_id < limits.vocab_size:
             shown = _show(token_id) if isinstance(token_id, int) else repr(token_id)[:40]
@@ -257,6 +266,30 @@ def check_sampling(fields: SamplingFields, limits: RequestLimits) -> None:
     _check_stop_token_ids(fields.stop_token_ids, limits)
     for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
         _bool(getattr(fields, name), name, False)
+    check_logit_bias(fields.logit_bias, limits)
+    if fields.grammar is not None:
+        for name in ("ignore_eos", "min_tokens"):
+            if getattr(fields, name):
+                raise InvalidFieldError(f"{name} cannot be combined with a structured output (the output ends "
+                                        "where its grammar does)", name)
+
+
+def check_logit_bias(value: object, limits: RequestLimits) -> tuple[tuple[int, float], ...]:
+    """OpenAI's ``logit_bias``: {"token id": bias in [-100, 100]}, as (id, bias) pairs."""
+    if value is None:
+        return ()
+    if not isinstance(value, dict):
+        raise InvalidFieldError("logit_bias must be an object mapping token ids to biases", "logit_bias")
+    if len(value) > limits.max_logit_bias:
+        raise InvalidFieldError(f"logit_bias has {len(value)} entries; at most {limits.max_logit_bias} are allowed",
+                                "logit_bias")
+    pairs = []
+    for key, bias in value.items():
+        if not isinstance(key, str) or not key.isascii() or not key.isdigit() or len(key) > 20:
+            raise InvalidFieldError(f"logit_bias keys must be token ids, got {str(key)[:40]!r}", "logit_bias")
+        token_id = _int(int(key), "logit_bias", 0, limits.vocab_size - 1)
+        pairs.append((token_id, _float(bias, "logit_bias", -limits.max_abs_logit_bias, limits.max_abs_logit_bias)))
+    return tuple(pairs)
 
 
 def check_logprobs(value: object, limits: RequestLimits, param: str = "logprobs") -> int:
@@ -326,4 +359,6 @@ def sampling_params(fields: SamplingFields, num_prompt_tokens: int, limits: Requ
         logprobs=fields.logprobs,
         skip_special_tokens=_bool(fields.skip_special_tokens, "skip_special_tokens", True),
         include_stop_str_in_output=_bool(fields.include_stop_str_in_output, "include_stop_str_in_output", False),
+        logit_bias=check_logit_bias(fields.logit_bias, limits),
+        grammar=fields.grammar,
     )

@@ -24,6 +24,7 @@ import torch
 from epdserve.config import EngineArgs, EngineConfig, resolve_device_name, resolve_dtype_name
 from epdserve.engine.detokenizer import FaultInjectingDetokenizer, IncrementalDetokenizer
 from epdserve.engine.failures import describe, is_fatal
+from epdserve.engine.grammar import GrammarMasks
 from epdserve.engine.host_memory import keep_freed_memory
 from epdserve.engine.kv_cache import KVCacheManager, make_group_specs
 from epdserve.engine.outputs import (
@@ -86,6 +87,7 @@ class LLMEngine(PDRoles):
             self.loaded.model, groups, spec.num_layers, cache.num_blocks, cache.block_size,
             dtype, device, self.config.seed, kv_caches, self._faults,
         )
+        self.runner.grammar = GrammarMasks(self.tokenizer, spec.vocab_size)
         self._sequences: dict[str, _Sequence] = {}
         self._children: dict[str, list[str]] = {}
         self._mm_inputs: dict[str, list[MMInput]] = {}  # by the id the request was added with

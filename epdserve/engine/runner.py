@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from epdserve.engine.failures import describe, is_fatal
+from epdserve.engine.grammar import GrammarMasks
 from epdserve.engine.kv_cache import KVCacheGroupSpec
 from epdserve.engine.sampler import FaultInjectingSampler, Sampler, SampleResult, TokenLogprobs
 from epdserve.engine.scheduler import ScheduledRequest, SchedulerOutput
@@ -70,6 +71,7 @@ class ModelRunner:
         self.sampler: Sampler = (Sampler(seed, device) if faults is None
                                  else FaultInjectingSampler(seed, device, faults))
         self.pusher: KVPusher | None = None  # set on a prefill worker of a P/D pair
+        self.grammar: GrammarMasks | None = None  # structured outputs; set by the engine
         if device.type == "cpu":
             paged_attention_cpu.is_available()  # build or load the kernel now, not in the first step
 
@@ -133,6 +135,15 @@ class ModelRunner:
         """Sample the batch at once; if that raises, each row alone, failing the rows that
         raise again. A seeded row drawn before the batch raised draws once more from its
         generator, so its token can differ from a run without the failure (still seeded)."""
+        if self.grammar is not None and self.grammar.constrained(requests):
+            failed = self.grammar.apply(logits, requests)
+            if failed:
+                for i, message in failed.items():
+                    out.failed[requests[i].request_id] = message
+                keep = [i for i in range(len(requests)) if i not in failed]
+                if not keep:
+                    return
+                logits, requests = logits[keep], [requests[i] for i in keep]
         try:
             self._collect(requests, self.sampler(logits, requests), out)
             return
@@ -150,9 +161,11 @@ class ModelRunner:
                 log.exception("sampling %s failed", request.request_id)
                 out.failed[request.request_id] = describe(e, "sampling")
 
-    @staticmethod
-    def _collect(requests: list[Request], result: SampleResult, out: RunnerOutput) -> None:
+    def _collect(self, requests: list[Request], result: SampleResult, out: RunnerOutput) -> None:
         for request, token_id, lp in zip(requests, result.token_ids, result.logprobs):
+            if self.grammar is not None and (error := self.grammar.accept(request, token_id)) is not None:
+                out.failed[request.request_id] = error
+                continue
             out.sampled_token_ids[request.request_id] = token_id
             if lp is not None:
                 out.logprobs[request.request_id] = lp
@@ -226,6 +239,8 @@ class ModelRunner:
     def release(self, request_id: str, aborted: bool = False) -> None:
         """Forget a finished request; an aborted one also stops its KV transfer."""
         self.sampler.release(request_id)
+        if self.grammar is not None:
+            self.grammar.release(request_id)
         if aborted and self.pusher is not None:
             self.pusher.abort(request_id)
 

@@ -1,4 +1,5 @@
-"""Token sampling for one step: penalties, min_tokens, temperature, top-k, top-p, seeds, logprobs.
+"""Token sampling for one step: penalties, logit bias, min_tokens, temperature, top-k, top-p, seeds,
+logprobs.
 
 A request with a seed draws from its own generator, so its samples do not depend on what it
 was batched with.
@@ -50,13 +51,13 @@ class Sampler:
 
     @staticmethod
     def needs_float32(requests: list[Request]) -> bool:
-        """Whether sampling these rows computes with the logits (temperature, penalties, bans,
-        logprobs) and so needs them in float32; plain greedy rows only take an argmax, which
-        the model's dtype gives exactly."""
+        """Whether sampling these rows computes with the logits (temperature, penalties, bias,
+        bans, logprobs) and so needs them in float32; plain greedy rows only take an argmax,
+        which the model's dtype gives exactly (a grammar's mask only sets -inf)."""
         for r in requests:
             params = r.sampling
             if (not params.is_greedy or params.logprobs is not None or params.repetition_penalty != 1.0
-                    or len(r.output_token_ids) < params.min_tokens):
+                    or params.logit_bias or len(r.output_token_ids) < params.min_tokens):
                 return True
         return False
 
@@ -101,6 +102,11 @@ class Sampler:
                 values = logits[i, seen]
                 penalty = params.repetition_penalty
                 logits[i, seen] = torch.where(values > 0, values / penalty, values * penalty)
+            if params.logit_bias:
+                if not modified:
+                    logits, modified = logits.clone(), True
+                ids, biases = zip(*params.logit_bias)
+                logits[i, list(ids)] += torch.tensor(biases, dtype=logits.dtype, device=logits.device)
             if len(request.output_token_ids) < params.min_tokens:
                 banned = list(params.stop_token_ids)
                 if not params.ignore_eos:

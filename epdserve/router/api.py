@@ -1,11 +1,17 @@
 """OpenAI-compatible HTTP endpoints over the router (FastAPI).
 
     POST /v1/completions  POST /v1/chat/completions  (stream and non-stream)
+    POST /tokenize  /detokenize  (as vLLM serves them)
     GET  /v1/models  /v1/workers  /health  /metrics
 
 User errors are 400 with OpenAI's error body, overload is 429/503 with Retry-After, a failed
 worker is 503 (or an SSE error event once a stream has started); never a 500 for user input.
 ``"return_timing": true`` adds the server-side timestamps of the request (``timing``).
+
+Fields: what the models in ``protocol`` name is honoured; an unknown field that would change the
+output if honoured (``protocol.REFUSED_FIELDS``) is a 400 naming it; any other unknown field is
+ignored and named in the response's ``Warning`` header (a few that label a request or pick
+among things this server has one of, ``protocol.NO_EFFECT_FIELDS``, are accepted quietly).
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import msgspec
 from fastapi import FastAPI, Request
@@ -22,7 +28,6 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from epdserve.cluster import messages as m
 from epdserve.errors import EpdserveError
 from epdserve.models.multimodal import MultimodalSpec
 from epdserve.models.tokenizer import Tokenizer
@@ -35,11 +40,21 @@ from epdserve.router.protocol import (
     ERROR_TYPES,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
     error_body,
     error_response,
 )
-from epdserve.router.timing import timing_json
+from epdserve.router.responses import Formatter, ToolMode
+from epdserve.router.tools import forced_schema, parse_tool_choice, parse_tools, parser_for
 from epdserve.sampling import SamplingParams
+from epdserve.structured import (
+    StructuredFields,
+    check_grammar,
+    grammar_for,
+    grammar_tokenizer,
+    json_schema_grammar,
+)
 from epdserve.validate import (
     InvalidFieldError,
     RequestLimits,
@@ -49,6 +64,7 @@ from epdserve.validate import (
     check_prompt_ids,
     check_prompt_text,
     check_sampling,
+    check_token_ids,
     longest_token_chars,
     sampling_params,
 )
@@ -63,6 +79,16 @@ class ServedModel:
     mm_spec: MultimodalSpec | None = None  # None: text only
     image_limits: ImageLimits = ImageLimits()
     max_n: int = 16  # sequences per request
+    architecture: str = "llama"  # picks the tool-call format (router.tools.parser_for)
+    max_prompts: int = 64  # prompts in one completions request
+    _grammar_tokenizer: list = field(default_factory=list, compare=False, repr=False)
+
+    def grammar_tokenizer(self):  # noqa: ANN201 - llguidance.LLTokenizer, built on first use
+        """The tokenizer structured outputs are checked against (built once, ~0.2 s)."""
+        if not self._grammar_tokenizer:
+            t = self.tokenizer
+            self._grammar_tokenizer.append(grammar_tokenizer(t.backend.to_str(), self.vocab_size, t.eos_token_ids))
+        return self._grammar_tokenizer[0]
 
     @property
     def limits(self) -> RequestLimits:
@@ -125,30 +151,55 @@ def create_app(router: Router, served: ServedModel, api_key: str | None = None, 
     async def completions(body: CompletionRequest, request: Request) -> Response:
         try:
             check_model(body.model, served.names)
-            fields = body.sampling_fields(body.max_tokens, body.logprobs)
+            ignored = body.ignored_fields()
+            if body.suffix:
+                raise InvalidFieldError("suffix is not supported by this server", "suffix")
+            if body.echo and body.logprobs is not None:
+                raise InvalidFieldError("echo with logprobs is not supported (it needs the prompt's logprobs)", "echo")
+            grammar = await _grammar(body.structured_fields())
+            fields = replace(body.sampling_fields(body.max_tokens, body.logprobs), grammar=grammar)
             check_sampling(fields, limits)
-            prompt = body.single_prompt()
-            if isinstance(prompt, str):
-                prompt_ids = served.tokenizer.encode(check_prompt_text(prompt, limits))
-            else:
-                prompt_ids = prompt
-            check_prompt_ids(prompt_ids, limits)
-            params = sampling_params(fields, len(prompt_ids), limits)
+            prompts_ids, params, echo = [], [], []
+            for prompt in body.prompts(served.max_prompts):
+                if isinstance(prompt, str):
+                    prompt_ids = served.tokenizer.encode(check_prompt_text(prompt, limits))
+                else:
+                    prompt_ids = prompt
+                check_prompt_ids(prompt_ids, limits)
+                prompts_ids.append(prompt_ids)
+                params.append(sampling_params(fields, len(prompt_ids), limits))
+                if body.echo:
+                    echo.append(prompt if isinstance(prompt, str) else served.tokenizer.decode(prompt))
         except EpdserveError as e:
             return _invalid(e, "prompt")
-        return await _serve(body, prompt_ids, params, request, chat=False)
+        return await _serve(body, prompts_ids, params, request, chat=False, echo=echo if body.echo else None,
+                            ignored=ignored)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
         arrived = time.time()  # before images are fetched and checked: that time is queueing too
         try:
             check_model(body.model, served.names)
+            ignored = body.ignored_fields()
             if body.top_logprobs is not None:
                 check_logprobs(body.top_logprobs, limits, "top_logprobs")
-            fields = body.chat_sampling_fields()
+            tools = parse_tools(body.tools) if body.tools is not None else []
+            choice = parse_tool_choice(body.tool_choice, tools)
+            tool_mode = ToolMode(choice, parser_for(served.architecture),
+                                 parallel=(body.model_extra or {}).get("parallel_tool_calls") is not False)
+            grammar = await _grammar(body.structured_fields())
+            schema = forced_schema(choice, tools)
+            if schema is not None:
+                if grammar is not None:
+                    raise InvalidFieldError("a forced tool_choice cannot be combined with a structured output",
+                                            "tool_choice")
+                grammar = await asyncio.to_thread(_tool_grammar, schema)
+            fields = replace(body.chat_sampling_fields(), grammar=grammar)
             check_sampling(fields, limits)
             messages = body.chat_messages()
             check_messages(messages, limits)
+            if tools or any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
+                messages = tool_mode.parser.render(messages, tools)
         except EpdserveError as e:
             return _invalid(e, "messages")
         try:
@@ -162,36 +213,93 @@ def create_app(router: Router, served: ServedModel, api_key: str | None = None, 
             params = sampling_params(fields, len(prompt.token_ids), limits)
         except EpdserveError as e:
             return _invalid(e, "messages")
-        return await _serve(body, prompt.token_ids, params, request, chat=True, images=prompt.images, arrived=arrived)
+        return await _serve(body, [prompt.token_ids], [params], request, chat=True, images=prompt.images,
+                            arrived=arrived, tools=tool_mode if tools else None, ignored=ignored)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> Response:
+        """vLLM's /tokenize: a prompt's (or chat messages') token ids, and their count."""
+        try:
+            if body.model is not None:
+                check_model(body.model, served.names)
+            if (body.prompt is None) == (body.messages is None):
+                raise InvalidFieldError("give exactly one of prompt and messages", "prompt")
+            if body.prompt is not None:
+                add_special = True if body.add_special_tokens is None else body.add_special_tokens
+                ids = served.tokenizer.encode(check_prompt_text(body.prompt, limits), add_special_tokens=add_special)
+            else:
+                messages = [msg.model_dump(exclude_none=True) for msg in body.messages]
+                check_messages(messages, limits)
+                text = served.tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt)
+                ids = served.tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens))
+        except EpdserveError as e:
+            return _invalid(e, "prompt")
+        strs = [served.tokenizer.backend.id_to_token(i) for i in ids] if body.return_token_strs else None
+        return JSONResponse({"count": len(ids), "max_model_len": served.max_model_len, "tokens": ids,
+                             "token_strs": strs})
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> Response:
+        """vLLM's /detokenize: the text of token ids."""
+        try:
+            if body.model is not None:
+                check_model(body.model, served.names)
+            if len(body.tokens) > served.max_model_len:
+                raise InvalidFieldError(f"at most {served.max_model_len} tokens, got {len(body.tokens)}", "tokens")
+            check_token_ids(body.tokens, limits, "tokens")
+        except EpdserveError as e:
+            return _invalid(e, "tokens")
+        return JSONResponse({"prompt": served.tokenizer.decode(body.tokens)})
+
+    async def _grammar(fields: StructuredFields) -> str | None:
+        """The request's grammar, compiled and checked off the event loop (a large schema
+        takes a while); no thread for a request without one."""
+        if fields == _NO_CONSTRAINT:
+            return None
+        return await asyncio.to_thread(grammar_for, fields, served.grammar_tokenizer())
+
+    def _tool_grammar(schema: dict) -> str:
+        grammar = json_schema_grammar(schema, "tools")
+        check_grammar(grammar, served.grammar_tokenizer(), "tools")
+        return grammar
 
     def _invalid(error: EpdserveError, default_param: str) -> JSONResponse:
         """A 400 naming the field at fault (``default_param`` when the error names none)."""
         param = error.param if isinstance(error, InvalidFieldError) else default_param
         return error_response(400, str(error), param=param)
 
-    async def _serve(body, prompt_ids: list[int], params: SamplingParams, request: Request, chat: bool,  # noqa: ANN001
-                     images: list[ImageInput] | None = None, arrived: float | None = None) -> Response:
+    async def _serve(body, prompts_ids: list[list[int]], params: list[SamplingParams],  # noqa: ANN001
+                     request: Request, chat: bool, images: list[ImageInput] | None = None,
+                     arrived: float | None = None, echo: list[str] | None = None, tools: ToolMode | None = None,
+                     ignored: list[str] | None = None) -> Response:
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        handles: list[RequestHandle] = []
         try:
-            handle = await router.open(request_id, prompt_ids, params, images, arrived)
+            for i, (prompt_ids, prompt_params) in enumerate(zip(prompts_ids, params)):
+                path_id = request_id if len(prompts_ids) == 1 else f"{request_id}-{i}"
+                handles.append(await router.open(path_id, prompt_ids, prompt_params, images, arrived))
         except Overloaded as e:
+            for handle in handles:  # a batch is all or nothing
+                router.abort(handle.request_id)
             return error_response(e.status, str(e), retry_after=e.retry_after)
-        fmt = _Formatter(request_id, served.names[0], chat, served.tokenizer, bool(body.return_timing), params.n)
+        fmt = Formatter(request_id, served.names[0], chat, served.tokenizer, bool(body.return_timing), params[0].n,
+                        num_prompts=len(handles), echo=echo, tools=tools)
+        headers = {"Warning": _warning(ignored)} if ignored else {}
         if body.is_stream:
             return StreamingResponse(
-                _stream(handle, fmt, body.include_usage, request),
+                _stream(handles, fmt, body.include_usage),
                 media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache"},
+                headers={"Cache-Control": "no-cache", **headers},
             )
-        return await _complete(handle, fmt, request)
+        return await _complete(handles, fmt, request, headers)
 
-    async def _stream(handle: RequestHandle, fmt: _Formatter, include_usage: bool, request: Request) -> AsyncIterator[bytes]:
+    async def _stream(handles: list[RequestHandle], fmt: Formatter, include_usage: bool) -> AsyncIterator[bytes]:
         done = False
         try:
             if fmt.chat:
-                for index in range(fmt.n):
-                    yield _sse(fmt.chunk(index, role=True))
-            async for batch in handle.event_batches():
+                for index in range(fmt.num_choices):
+                    yield _sse(fmt.role_chunk(index))
+            async for prompt_index, batch in _batches(handles):
                 # Every event queued at this wake-up goes out in one write.
                 chunks = []
                 for event in batch:
@@ -200,27 +308,30 @@ def create_app(router: Router, served: ServedModel, api_key: str | None = None, 
                         done = True
                         break
                     out = event.output
-                    fmt.add(out)
-                    last = out.finished and handle.num_finished >= fmt.n and event is batch[-1]
-                    chunks.append(_sse(fmt.chunk(out.index, out=out, timing=handle.timing if last else None)))
+                    index = fmt.add(out, prompt_index)
+                    last = fmt.is_done and event is batch[-1]
+                    chunks.append(_sse(fmt.chunk(index, out, timing=handles[0].timing if last else None)))
                 yield b"".join(chunks)
                 if done:
                     break
             else:
                 done = True
                 if include_usage:
-                    yield _sse(fmt.usage_chunk(handle))
+                    yield _sse(fmt.usage_chunk(handles[0].timing))
             yield b"data: [DONE]\n\n"
         finally:
             if not done:
-                router.abort(handle.request_id)
+                for handle in handles:
+                    router.abort(handle.request_id)
 
-    async def _complete(handle: RequestHandle, fmt: _Formatter, request: Request) -> Response:
+    async def _complete(handles: list[RequestHandle], fmt: Formatter, request: Request,
+                        headers: dict[str, str]) -> Response:
         async def collect() -> str | None:
-            async for event in handle.events():
-                if event.error is not None:
-                    return event.error
-                fmt.add(event.output)
+            async for prompt_index, batch in _batches(handles):
+                for event in batch:
+                    if event.error is not None:
+                        return event.error
+                    fmt.add(event.output, prompt_index)
             return None
 
         collector = asyncio.ensure_future(collect())
@@ -229,16 +340,20 @@ def create_app(router: Router, served: ServedModel, api_key: str | None = None, 
         watcher.cancel()
         if not collector.done():
             collector.cancel()
-            router.abort(handle.request_id)
+            for handle in handles:
+                router.abort(handle.request_id)
             return Response(status_code=499)
         error = collector.result()
         if error is not None:
+            for handle in handles:
+                router.abort(handle.request_id)
             return error_response(503, error, retry_after=1)
-        return JSONResponse(fmt.full_response(handle))
+        return JSONResponse(fmt.full_response(handles[0].timing), headers=headers)
 
     return app
 
 
+_NO_CONSTRAINT = StructuredFields()
 _TYPE_LABELS = frozenset({"str", "int", "float", "bool", "list", "dict"})
 
 
@@ -273,101 +388,40 @@ def _sse(obj: dict) -> bytes:
 _json_encode = msgspec.json.Encoder().encode
 
 
-class _Formatter:
-    """Builds OpenAI response objects and chunks for one request."""
+def _warning(ignored: list[str], max_names: int = 16, max_chars: int = 64) -> str:
+    """The Warning header naming ignored fields: printable ASCII only (names escaped as Python
+    escapes them: control characters, non-ASCII, quotes), at most ``max_names`` of
+    ``max_chars`` each."""
+    names = [name.encode("unicode_escape").decode("ascii").replace('"', '\\"')[:max_chars]
+             for name in ignored[:max_names]]
+    more = f" and {len(ignored) - max_names} more" if len(ignored) > max_names else ""
+    return f'299 epdserve "ignored fields: {", ".join(names)}{more}"'
 
-    def __init__(self, request_id: str, model: str, chat: bool, tokenizer: Tokenizer, timing: bool, n: int) -> None:
-        self.request_id = request_id
-        self.model = model
-        self.chat = chat
-        self.tokenizer = tokenizer
-        self.with_timing = timing
-        self.n = n
-        self.created = int(time.time())
-        self.texts = [""] * n
-        self.num_tokens = [0] * n
-        self.logprobs: list[list[m.TokenLogprob]] = [[] for _ in range(n)]
-        self.finish_reasons: list[str | None] = [None] * n
-        self.num_prompt_tokens = 0
-        self.num_cached_tokens = 0
 
-    def add(self, out: m.TokenOutput) -> None:
-        i = out.index
-        self.texts[i] += out.text
-        self.num_tokens[i] += len(out.token_ids)
-        self.logprobs[i] += out.logprobs
-        if out.finished:
-            self.finish_reasons[i] = out.finish_reason
-        self.num_prompt_tokens = out.num_prompt_tokens or self.num_prompt_tokens
-        self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
+async def _batches(handles: list[RequestHandle]) -> AsyncIterator[tuple[int, list]]:
+    """(prompt index, event batch) from every handle as they come; one handle is read directly."""
+    if len(handles) == 1:
+        async for batch in handles[0].event_batches():
+            yield 0, batch
+        return
+    queue: asyncio.Queue = asyncio.Queue()
 
-    def _usage(self) -> dict:
-        completion = sum(self.num_tokens)
-        usage = {"prompt_tokens": self.num_prompt_tokens, "completion_tokens": completion,
-                 "total_tokens": self.num_prompt_tokens + completion}
-        if self.num_cached_tokens:
-            usage["prompt_tokens_details"] = {"cached_tokens": self.num_cached_tokens}
-        return usage
+    async def pump(index: int, handle: RequestHandle) -> None:
+        try:
+            async for batch in handle.event_batches():
+                await queue.put((index, batch))
+        finally:
+            queue.put_nowait((index, None))
 
-    def _token_text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id], skip_special_tokens=False)
-
-    def _logprobs_json(self, entries: list[m.TokenLogprob], offset: int = 0) -> dict | None:
-        if not entries:
-            return None
-        if self.chat:
-            return {"content": [
-                {"token": self._token_text(e.token_id), "logprob": e.logprob,
-                 "bytes": list(self._token_text(e.token_id).encode()),
-                 "top_logprobs": [{"token": self._token_text(t), "logprob": lp,
-                                   "bytes": list(self._token_text(t).encode())}
-                                  for t, lp in zip(e.top_token_ids, e.top_logprobs)]}
-                for e in entries]}
-        tokens = [self._token_text(e.token_id) for e in entries]
-        offsets, pos = [], offset
-        for t in tokens:
-            offsets.append(pos)
-            pos += len(t)
-        return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
-                "top_logprobs": [{self._token_text(t): lp for t, lp in zip(e.top_token_ids, e.top_logprobs)}
-                                 for e in entries],
-                "text_offset": offsets}
-
-    def chunk(self, index: int, out: m.TokenOutput | None = None, role: bool = False, timing: m.Timing | None = None) -> dict:
-        finish = out.finish_reason if out is not None and out.finished else None
-        logprobs = self._logprobs_json(out.logprobs) if out is not None else None
-        if self.chat:
-            delta = {"role": "assistant", "content": ""} if role else {"content": out.text if out else ""}
-            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-            obj = "chat.completion.chunk"
-        else:
-            choice = {"index": index, "text": out.text if out else "", "logprobs": logprobs, "finish_reason": finish}
-            obj = "text_completion"
-        body = {"id": self.request_id, "object": obj, "created": self.created, "model": self.model, "choices": [choice]}
-        if timing is not None and self.with_timing:
-            body["timing"] = timing_json(timing)
-        return body
-
-    def usage_chunk(self, handle: RequestHandle) -> dict:
-        obj = "chat.completion.chunk" if self.chat else "text_completion"
-        body = {"id": self.request_id, "object": obj, "created": self.created, "model": self.model,
-                "choices": [], "usage": self._usage()}
-        if self.with_timing:
-            body["timing"] = timing_json(handle.timing)
-        return body
-
-    def full_response(self, handle: RequestHandle) -> dict:
-        choices = []
-        for i in range(self.n):
-            logprobs = self._logprobs_json(self.logprobs[i])
-            if self.chat:
-                choices.append({"index": i, "message": {"role": "assistant", "content": self.texts[i]},
-                                "logprobs": logprobs, "finish_reason": self.finish_reasons[i]})
-            else:
-                choices.append({"index": i, "text": self.texts[i], "logprobs": logprobs,
-                                "finish_reason": self.finish_reasons[i]})
-        body = {"id": self.request_id, "object": "chat.completion" if self.chat else "text_completion",
-                "created": self.created, "model": self.model, "choices": choices, "usage": self._usage()}
-        if self.with_timing:
-            body["timing"] = timing_json(handle.timing)
-        return body
+    tasks = [asyncio.ensure_future(pump(i, h)) for i, h in enumerate(handles)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, batch = await queue.get()
+            if batch is None:
+                remaining -= 1
+                continue
+            yield index, batch
+    finally:
+        for task in tasks:
+            task.cancel()

@@ -204,7 +204,9 @@ async def serve(ns: argparse.Namespace) -> int:
                          allowed_media_domains=tuple(ns.allowed_media_domains),
                          follow_redirects=ns.media_follow_redirects,
                          allow_private_addresses=ns.allow_private_media_addresses)
-    served = ServedModel(names, info.tokenizer, max_model_len, info.spec.vocab_size, mm_spec, limits, ns.max_n)
+    served = ServedModel(names, info.tokenizer, max_model_len, info.spec.vocab_size, mm_spec, limits, ns.max_n,
+                         architecture=info.spec.architecture)
+    served.grammar_tokenizer()  # now, not in the event loop at the first structured request
     config = RouterConfig(transfer_timeout_s=ns.transfer_timeout, transfer_policy=ns.transfer_policy,
                           max_pending=ns.max_pending, encode_pipelined=not ns.no_encode_pipeline,
                           routing=ns.routing, heartbeat_timeout_s=ns.worker_lease,

@@ -27,8 +27,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("engine",),
     ("models",),
     # The base: descriptors, options and plain data every floor uses.
-    ("transfer", "auth", "config", "cli_args", "sampling", "validate", "roles", "request", "errors", "envs", "faults",
-     "gc_heap", ""),
+    ("transfer", "auth", "config", "cli_args", "sampling", "validate", "structured", "roles", "request", "errors",
+     "envs", "faults", "gc_heap", ""),
 ]
 BASE = len(LAYERS) - 1
 

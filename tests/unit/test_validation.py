@@ -191,7 +191,8 @@ def test_error_response_quotes_unencodable_text():
 
 
 def test_validation_module_does_not_import_torch():
-    code = "import sys, epdserve.validate, epdserve.router.protocol; print('torch' in sys.modules)"
+    code = ("import sys, epdserve.validate, epdserve.structured, epdserve.router.protocol, epdserve.router.tools; "
+            "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "False", out.stderr
 

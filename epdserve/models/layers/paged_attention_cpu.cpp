@@ -793,3 +793,50 @@ at::Tensor argmax_rows(const at::Tensor& logits) {
   });
   return out;
 }
+
+namespace {
+
+// On the raw bits (U: uint32_t for float, uint16_t for bfloat16), so that no conversion runs
+// per element.
+template <typename U>
+void mask_row(U* row, const int32_t* words, int64_t n, U neg_inf) {
+  for (int64_t w = 0; w * 32 < n; ++w) {
+    const uint32_t bits = static_cast<uint32_t>(words[w]);
+    if (bits == 0xFFFFFFFFu) continue;  // every token of this word allowed
+    const int64_t base = w * 32, count = std::min<int64_t>(32, n - base);
+    for (int64_t b = 0; b < count; ++b) {
+      if (!((bits >> b) & 1u)) row[base + b] = neg_inf;
+    }
+  }
+}
+
+}  // namespace
+
+// logits[rows[i], t] = -inf where bit t of bitmask[i] is 0 (token t not allowed next);
+// bitmask [R, ceil(V / 32)] int32, bit b of word w is token 32 w + b.
+void apply_token_bitmask_(at::Tensor& logits, const at::Tensor& bitmask, const at::Tensor& rows) {
+  check_cpu(logits, "logits");
+  TORCH_CHECK(logits.dim() == 2 && logits.stride(1) == 1, "logits must be [N, V] with contiguous rows");
+  TORCH_CHECK(bitmask.dim() == 2 && bitmask.is_contiguous() && bitmask.scalar_type() == at::kInt,
+              "bitmask must be a contiguous [R, words] int32 tensor");
+  TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == at::kLong && rows.size(0) == bitmask.size(0),
+              "rows must be int64 [R]");
+  const int64_t n = logits.size(1), stride = logits.stride(0), words = bitmask.size(1);
+  TORCH_CHECK(words * 32 >= n, "bitmask has fewer bits than the logits have columns");
+  const int64_t* row_ids = rows.data_ptr<int64_t>();
+  for (int64_t i = 0; i < rows.size(0); ++i) {
+    TORCH_CHECK(row_ids[i] >= 0 && row_ids[i] < logits.size(0), "row index out of range");
+  }
+  at::parallel_for(0, rows.size(0), row_grain(n), [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int32_t* w = bitmask.data_ptr<int32_t>() + i * words;
+      if (logits.scalar_type() == at::kFloat) {
+        mask_row(reinterpret_cast<uint32_t*>(logits.data_ptr<float>()) + row_ids[i] * stride, w, n,
+                 static_cast<uint32_t>(0xFF800000u));
+      } else {
+        mask_row(reinterpret_cast<uint16_t*>(logits.data_ptr<c10::BFloat16>()) + row_ids[i] * stride, w, n,
+                 static_cast<uint16_t>(0xFF80u));
+      }
+    }
+  });
+}
