@@ -7,7 +7,8 @@ For a JSON schema of the structured-output benchmark's kind, each library: the t
 matcher for the schema (compile + matcher; xgrammar caches compiled grammars, so its second
 build is a lookup), and the time to compute the next-token mask, per token, while a valid JSON
 text is fed through the matcher; then the cost of masking a batch of logits with the masks
-(epdserve's CPU kernel, torch ops, and xgrammar's function). Medians over ``--repeats``.
+(epdserve's CPU kernel, torch ops, and xgrammar's function), and what the P/D hand-off costs
+the decode worker (a matcher built and the tokens so far replayed). Medians over ``--repeats``.
 xgrammar is not a dependency of epdserve (it needs torch, transformers and triton); install it
 into the venv to compare.
 """
@@ -110,6 +111,18 @@ def main() -> None:
         build = statistics.median(r[0] for r in results) * 1e3
         per_token = statistics.median(r[1] for r in results) * 1e6
         print(f"{name:>10}: matcher build {build:6.2f} ms   next-token mask {per_token:6.1f} us/token")
+    # The P/D hand-off: the decode worker builds the matcher and replays the tokens so far (the
+    # prefill worker's first token; after a preemption, all of them).
+    lltokenizer = grammar_tokenizer(tokenizer.backend.to_str(), vocab, tokenizer.eos_token_ids)
+    grammar = json_schema_grammar(SCHEMA, "schema")
+    for replayed in (1, len(ids)):
+        times = []
+        for _ in range(args.repeats):
+            start = time.perf_counter()
+            matcher = llguidance.LLMatcher(lltokenizer, grammar, log_level=0)
+            assert matcher.consume_tokens(ids[:replayed])
+            times.append(time.perf_counter() - start)
+        print(f"hand-off: matcher build + replay of {replayed:>2} tokens {statistics.median(times) * 1e3:6.2f} ms")
     masks = GrammarMasks(tokenizer, vocab)
     for batch in (1, 16, 64):
         bitmask = torch.randint(-2**31, 2**31 - 1, (batch, (vocab + 31) // 32), dtype=torch.int32)

@@ -23,7 +23,11 @@ Each round starts each server once and runs both of its arms against it:
   measures the constraint (grammar compile, per-step mask, the constrained sampler) and not a
   different prefill/decode mix: output tok/s falls with shorter outputs, as each prompt's
   prefill is spread over fewer tokens. The constrained arm's lengths vary per request (the JSON
-  ends where the model closes it); the unconstrained arm's are all equal to the mean.
+  ends where the model closes it); with ``match`` the unconstrained arm's vary as much
+  (``--random-range-ratio`` on the output only, uniform with the constrained arm's standard
+  deviation): equal lengths finish a batch in lock step and then run pure decode steps, where
+  staggered ones mix a prefill chunk into many decode steps, which alone raised TPOT by a third
+  in a first run.
 
 Fairness notes: both servers get the same prompts (vLLM's random dataset, seed 0), the same
 request bodies and the same schema; each server's unconstrained length is matched to its own
@@ -36,9 +40,8 @@ alternate which server goes first (the machine is shared and noisy); within a se
 constrained arm runs first because the unconstrained arm's length depends on it. Before the
 arms, each server gets one untimed batch of ``--concurrency`` short unconstrained requests; each
 arm's first request (vLLM's client's test request) also sends the schema, outside the timing.
-The constrained outputs' lengths vary (45-231 tokens in a smoke run, mean ~110), so the last
-requests of the constrained arm drain at a smaller batch than the unconstrained arm's
-equal-length ones: use enough prompts per slot (the default 64 at 16) to keep that tail small.
+The constrained outputs' lengths vary (45-231 tokens in a smoke run, mean ~110): use enough
+prompts per slot (the default 64 at 16) to keep the drain at the end small.
 
 Servers: epdserve ``serve --colocated-workers 1 --cores-per-worker 2`` (``--port 0``, the
 repo's launcher), vLLM as serve_vs_vllm.sh starts it, on a free port; each is stopped by pid
@@ -53,6 +56,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import signal
 import socket
@@ -156,7 +160,7 @@ def start_vllm(model_dir: str, log: Path, compact_json: bool) -> tuple[subproces
            "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "4096", "--dtype", "bfloat16",
            "--gpu-memory-utilization", "0.5"]
     if compact_json:
-        cmd += ["--structured-outputs-config", json.dumps({"disable_any_whitespace": True})]
+        cmd += ["--structured-outputs-config", json.dumps({"backend": "xgrammar", "disable_any_whitespace": True})]
     with open(log, "w") as out:
         process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
     url = f"http://127.0.0.1:{port}"
@@ -235,7 +239,7 @@ def warm_up(url: str, concurrency: int) -> None:
 
 
 def run_client(args: argparse.Namespace, name: str, url: str, model_dir: str, constrained: bool,
-               output_len: int) -> dict:
+               output_len: int, output_range: float = 0.0) -> dict:
     """vLLM's load client, one arm; the row of numbers this benchmark reports."""
     extra_body = {"response_format": RESPONSE_FORMAT, "ignore_eos": False} if constrained else None
     cmd = [str(args.peer), "bench", "serve", "--backend", "openai-chat" if args.chat else "openai",
@@ -251,6 +255,8 @@ def run_client(args: argparse.Namespace, name: str, url: str, model_dir: str, co
         cmd += ["--extra-body", json.dumps(extra_body)]
     else:
         cmd += ["--ignore-eos"]
+        if output_range > 0:
+            cmd += ["--random-range-ratio", json.dumps({"input": 0.0, "output": round(output_range, 3)})]
     log = args.out / f"{name}.log"
     with open(log, "w") as out:
         done = subprocess.run(cmd, check=False, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -263,7 +269,8 @@ def run_client(args: argparse.Namespace, name: str, url: str, model_dir: str, co
     row = {k: result.get(k) for k in ("completed", "failed", "duration", "total_output_tokens", "output_throughput",
                                       "mean_tpot_ms", "p99_tpot_ms", "mean_ttft_ms", "p99_ttft_ms", "p99_itl_ms")}
     row.update(max_tokens=output_len, mean_output_len=statistics.fmean(lens) if lens else 0.0,
-               min_output_len=min(lens, default=0), max_output_len=max(lens, default=0))
+               min_output_len=min(lens, default=0), max_output_len=max(lens, default=0),
+               stdev_output_len=statistics.pstdev(lens) if lens else 0.0, output_range_ratio=output_range)
     if constrained:
         row["failures"], row["failure_examples"] = json_failures(result.get("generated_texts", []), errors)
         row["sample_output"] = next((t for t in result.get("generated_texts", []) if t), "")[:400]
@@ -296,13 +303,21 @@ def run_server_arms(args: argparse.Namespace, server: str, r: int, model_dir: st
         rows["constrained"] = run_client(args, f"{name}_constrained", url, model_dir, True, args.max_tokens)
         match = args.unconstrained_output_len == "match"
         length = round(rows["constrained"]["mean_output_len"]) if match else int(args.unconstrained_output_len)
+        # The same spread of lengths too: uniform over mean * [1 - r, 1 + r] has the constrained
+        # arm's standard deviation when r = sqrt(3) * std / mean. Equal lengths would finish a
+        # batch in lock step (one burst of prefills, then pure decode), staggered ones mix a
+        # prefill chunk into many decode steps: TPOT differs by that alone.
+        c = rows["constrained"]
+        spread = min(0.95, math.sqrt(3) * c["stdev_output_len"] / c["mean_output_len"]) if match and c[
+            "mean_output_len"] else 0.0
         rows["unconstrained"] = run_client(args, f"{name}_unconstrained", url, model_dir, False,
-                                           max(1, length or args.max_tokens))
+                                           max(1, length or args.max_tokens), spread)
     finally:
         stop()
     for arm in ("constrained", "unconstrained"):
         row = rows[arm]
-        print(f"  {arm:13s} {row['output_throughput']:8.1f} out tok/s  mean len {row['mean_output_len']:6.1f}  "
+        print(f"  {arm:13s} {row['output_throughput']:8.1f} out tok/s  mean len {row['mean_output_len']:6.1f} "
+              f"(sd {row['stdev_output_len']:5.1f})  "
               f"TPOT {row['mean_tpot_ms']:6.1f} ms (P99 {row['p99_tpot_ms']:6.1f})  failures {row['failures']}"
               + (f"  e.g. {row['failure_examples'][0]}" if row.get("failure_examples") else ""), flush=True)
     return rows

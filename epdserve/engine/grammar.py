@@ -33,7 +33,6 @@ class GrammarMasks:
         self._lltokenizer: llguidance.LLTokenizer | None = None
         self._matchers: dict[str, llguidance.LLMatcher] = {}
         self._shifts: torch.Tensor | None = None
-        self._pool: llguidance.LLExecutor | None = None
 
     @staticmethod
     def constrained(requests: list[Request]) -> bool:
@@ -44,11 +43,6 @@ class GrammarMasks:
             t = self._tokenizer
             self._lltokenizer = grammar_tokenizer(t.backend.to_str(), self.vocab_size, t.eos_token_ids)
         return self._lltokenizer
-
-    def _executor(self) -> llguidance.LLExecutor:
-        if self._pool is None:
-            self._pool = llguidance.LLExecutor(num_threads=max(1, torch.get_num_threads()))
-        return self._pool
 
     def _matcher(self, request: Request) -> llguidance.LLMatcher:
         matcher = self._matchers.get(request.request_id)
@@ -76,11 +70,10 @@ class GrammarMasks:
             return failed
         bitmask = torch.empty((len(rows), self._words), dtype=torch.int32)
         row_bytes = self._words * 4
-        if len(matchers) == 1:
-            matchers[0].unsafe_compute_mask_ptr(bitmask.data_ptr(), row_bytes)
-        else:  # the rows in parallel, on the threads the model's step uses (idle meanwhile)
-            self._executor().unsafe_compute_mask_ptr([(matcher, j) for j, matcher in enumerate(matchers)],
-                                                     bitmask.data_ptr(), row_bytes, len(matchers))
+        # One row after another: llguidance's parallel executor took 5-8 ms a step for 16 rows
+        # here (its threads contend with the model's), this loop 0.8 ms.
+        for j, matcher in enumerate(matchers):
+            matcher.unsafe_compute_mask_ptr(bitmask.data_ptr() + j * row_bytes, row_bytes)
         if logits.stride(1) == 1 and paged_attention_cpu.can_run(logits):
             paged_attention_cpu.apply_token_bitmask_(logits, bitmask, torch.tensor(rows, dtype=torch.long))
             return failed

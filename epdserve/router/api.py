@@ -17,6 +17,7 @@ among things this server has one of, ``protocol.NO_EFFECT_FIELDS``, are accepted
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -82,13 +83,18 @@ class ServedModel:
     architecture: str = "llama"  # picks the tool-call format (router.tools.parser_for)
     max_prompts: int = 64  # prompts in one completions request
     _grammar_tokenizer: list = field(default_factory=list, compare=False, repr=False)
+    _grammar_lock: threading.Lock = field(default_factory=threading.Lock, compare=False, repr=False)
 
-    def grammar_tokenizer(self):  # noqa: ANN201 - llguidance.LLTokenizer, built on first use
-        """The tokenizer structured outputs are checked against (built once, ~0.2 s)."""
-        if not self._grammar_tokenizer:
-            t = self.tokenizer
-            self._grammar_tokenizer.append(grammar_tokenizer(t.backend.to_str(), self.vocab_size, t.eos_token_ids))
-        return self._grammar_tokenizer[0]
+    def grammar_tokenizer(self):  # noqa: ANN201 - llguidance.LLTokenizer
+        """The tokenizer structured outputs are checked against, built once (0.2 s and 23 MB
+        for SmolLM2's 49,152 tokens, 2.3 s and 212 MB for Gemma-3's 262,144): ``serve`` starts
+        building it in a thread at start-up; requests call this off the event loop."""
+        with self._grammar_lock:
+            if not self._grammar_tokenizer:
+                t = self.tokenizer
+                self._grammar_tokenizer.append(grammar_tokenizer(t.backend.to_str(), self.vocab_size,
+                                                                 t.eos_token_ids))
+            return self._grammar_tokenizer[0]
 
     @property
     def limits(self) -> RequestLimits:
@@ -256,7 +262,7 @@ def create_app(router: Router, served: ServedModel, api_key: str | None = None, 
         takes a while); no thread for a request without one."""
         if fields == _NO_CONSTRAINT:
             return None
-        return await asyncio.to_thread(grammar_for, fields, served.grammar_tokenizer())
+        return await asyncio.to_thread(lambda: grammar_for(fields, served.grammar_tokenizer()))
 
     def _tool_grammar(schema: dict) -> str:
         grammar = json_schema_grammar(schema, "tools")

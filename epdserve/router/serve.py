@@ -9,6 +9,7 @@ import logging
 import os
 import socket
 import sys
+import threading
 import time
 
 from epdserve.cli_args import engine_argv
@@ -206,7 +207,9 @@ async def serve(ns: argparse.Namespace) -> int:
                          allow_private_addresses=ns.allow_private_media_addresses)
     served = ServedModel(names, info.tokenizer, max_model_len, info.spec.vocab_size, mm_spec, limits, ns.max_n,
                          architecture=info.spec.architecture)
-    served.grammar_tokenizer()  # now, not in the event loop at the first structured request
+    # Structured outputs check grammars against the tokenizer: built meanwhile, not at the first
+    # such request (a daemon thread: nothing to stop).
+    threading.Thread(target=served.grammar_tokenizer, name="grammar-tokenizer", daemon=True).start()
     config = RouterConfig(transfer_timeout_s=ns.transfer_timeout, transfer_policy=ns.transfer_policy,
                           max_pending=ns.max_pending, encode_pipelined=not ns.no_encode_pipeline,
                           routing=ns.routing, heartbeat_timeout_s=ns.worker_lease,
