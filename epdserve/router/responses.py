@@ -8,6 +8,7 @@ with n sequences), as OpenAI and vLLM number them.
 from __future__ import annotations
 
 import time
+import uuid
 from dataclasses import dataclass
 
 from epdserve.cluster import messages as m
@@ -135,7 +136,11 @@ class Formatter:
             return self._body([{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}],
                               timing)
         delta: dict = {"content": text}
-        if self.tools is not None:
+        if self.tools is not None and self.tools.choice.mode == "named":
+            delta = {"tool_calls": [self._named_delta(index, text)]} if text or out.finished else {}
+            if finish == "stop":
+                finish = "tool_calls"
+        elif self.tools is not None:
             content, calls = self._tool_delta(index, text, out.finished)
             delta = {"content": content} if content or not calls else {}
             if calls:
@@ -144,6 +149,15 @@ class Formatter:
             if finish == "stop" and self._num_calls[index]:
                 finish = "tool_calls"
         return self._body([{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}], timing)
+
+    def _named_delta(self, index: int, text: str) -> dict:
+        """A named tool choice streams as its call: the output is the arguments' JSON, sent as
+        it is generated (id, type and name with the first piece, as OpenAI streams calls)."""
+        if self._num_calls[index]:
+            return {"index": 0, "function": {"arguments": text}}
+        self._num_calls[index] = 1
+        return {"index": 0, "id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                "function": {"name": self.tools.choice.name, "arguments": text}}
 
     def _tool_delta(self, index: int, text: str, finished: bool) -> tuple[str, list[ToolCall]]:
         """Content to stream now and tool calls completed, for a chat request with tools."""
