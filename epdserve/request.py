@@ -89,9 +89,24 @@ class MMInput:
         return self.offset + self.length
 
     def cache_key(self) -> int:
-        """A negative id standing for this image's tokens in prefix-cache hashes: equal
-        placeholders of different images must not hit each other's blocks."""
-        return -1 - int(self.content_hash[:15], 16)
+        return image_cache_key(self.content_hash)
+
+
+def image_cache_key(content_hash: str) -> int:
+    """A negative id standing for an image's tokens in prefix-cache hashes: equal placeholders
+    of different images must not hit each other's blocks."""
+    return -1 - int(content_hash[:15], 16)
+
+
+def hash_prompt_ids(prompt_token_ids: list[int], images: list[tuple[int, int, str]]) -> list[int]:
+    """The ids that name a prompt's blocks in the prefix cache: its tokens, with each image's
+    span (offset, length, content hash) replaced by the image's key."""
+    if not images:
+        return prompt_token_ids
+    ids = list(prompt_token_ids)
+    for offset, length, content_hash in images:
+        ids[offset : offset + length] = [image_cache_key(content_hash)] * length
+    return ids
 
 
 @dataclass
@@ -119,6 +134,12 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache on the last admission
+    # P/D: leading prompt tokens the decode worker already holds (its prefix cache): their KV
+    # is not sent. A multiple of the block size.
+    kv_target_num_cached: int = 0
+    # Register the request's full blocks in the prefix cache (False: a decode worker's request
+    # whose prompt has images it never saw, so it cannot name blocks past the prompt's hashes).
+    cache_new_blocks: bool = True
     num_preemptions: int = 0
     events: list[tuple[EventType, float]] = field(default_factory=list)
     _hash_prompt_ids: list[int] | None = field(default=None, repr=False)
@@ -156,10 +177,8 @@ class Request:
         if not self.mm_inputs:
             return self.prompt_token_ids + self.output_token_ids
         if self._hash_prompt_ids is None:
-            ids = list(self.prompt_token_ids)
-            for mm in self.mm_inputs:
-                ids[mm.offset : mm.end] = [mm.cache_key()] * mm.length
-            self._hash_prompt_ids = ids
+            spans = [(mm.offset, mm.length, mm.content_hash) for mm in self.mm_inputs]
+            self._hash_prompt_ids = hash_prompt_ids(self.prompt_token_ids, spans)
         return self._hash_prompt_ids + self.output_token_ids
 
     def token_ids_slice(self, start: int, end: int) -> list[int]:

@@ -89,7 +89,10 @@ class Timing(msgspec.Struct, omit_defaults=True):
     first_token: float = 0.0
     decode_start: float = 0.0
     finished: float = 0.0
-    num_cached_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens the prefill side (or colocated worker) had cached
+    num_decode_cached_tokens: int = 0  # P/D: prompt tokens the decode worker had cached
+    kv_bytes: int = 0  # P/D: KV bytes moved prefill -> decode
+    kv_bytes_skipped: int = 0  # P/D: KV bytes not moved (the decode worker held them)
     encode_start: float = 0.0  # first image's encode began
     encode_end: float = 0.0  # last image's embedding is in the consumer's memory
     embed_transfer_s: float = 0.0  # time spent writing embeddings into slabs (summed)
@@ -144,6 +147,9 @@ class Reserved(Msg):
     block_ids: list[list[int]] = []
     generation: int = 0
     reason: str = ""
+    # Leading prompt tokens whose KV the decode worker already holds (its prefix cache): the
+    # prefill worker writes only the blocks after them. A multiple of the block size.
+    num_cached_tokens: int = 0
 
 
 class ReservationExpired(Msg):
@@ -159,6 +165,7 @@ class TransferDone(Msg):
     request_id: str
     ok: bool
     kv_bytes: int = 0
+    kv_bytes_skipped: int = 0  # KV of the prompt's leading tokens the decode worker already held
     transfer_start: float = 0.0
     transfer_end: float = 0.0
     exposed_s: float = 0.0  # transfer time not hidden behind prefill compute
@@ -217,6 +224,8 @@ class Submit(Msg):
     kv_target: str = ""
     kv_target_block_ids: list[list[int]] = []
     kv_target_generation: int = 0
+    # Leading prompt tokens the decode worker holds already: their KV is not written.
+    kv_target_num_cached: int = 0
     images: list[ImageRef] = []
     mm_pipelined: bool = True  # prefill may start before every image's embedding is there
 
@@ -250,6 +259,11 @@ class SlabUp(Msg):
 class Reserve(Msg):
     request_id: str
     num_prompt_tokens: int
+    # The prompt's full blocks by prefix-cache key (engine/block_pool.py ``chain_hashes`` over
+    # ``request.hash_prompt_ids``, at the decode worker's block size): the decode worker reuses
+    # the leading blocks it has cached.
+    block_hashes: list[bytes] = []
+    has_images: bool = False  # the decode worker cannot name blocks past ``block_hashes`` itself
 
 
 class StartDecode(Msg):

@@ -23,6 +23,7 @@ from epdserve.cluster import messages as m
 from epdserve.cluster.worker_base import Handler
 from epdserve.cluster.worker_llm import LLMWorker, WorkerOptions
 from epdserve.config import EngineArgs, resolve_device_name
+from epdserve.engine.block_pool import HASH_BYTES
 from epdserve.engine.engine import KVCacheAllocator
 from epdserve.roles import Role
 from epdserve.transfer.fence import ReservationFence
@@ -48,6 +49,7 @@ class DecodeWorker(LLMWorker):
         self._landed_lock = threading.Lock()
         self._refused: list[tuple[str, str]] = []  # (request id, why): frames the receiver refused
         self._pending_decode: dict[str, m.StartDecode] = {}
+        self._image_reservations: set[str] = set()  # reservations of prompts with images
         # Open reservations, request id -> (fence generation, monotonic time reserved).
         self._reservations: dict[str, tuple[int, float]] = {}
         super().__init__(opts, engine_args)
@@ -101,14 +103,26 @@ class DecodeWorker(LLMWorker):
         return {**super()._handlers(), m.Reserve: self._on_reserve, m.StartDecode: self._on_start_decode}
 
     def _on_reserve(self, msg: m.Reserve) -> None:
-        block_ids = self.engine.reserve(msg.request_id, msg.num_prompt_tokens)
+        block_size = self.engine.kv_cache.block_size
+        if (len(msg.block_hashes) > msg.num_prompt_tokens // block_size
+                or any(len(h) != HASH_BYTES for h in msg.block_hashes)):
+            self._send(m.Reserved(msg.request_id, False, reason=(
+                f"block_hashes must be at most one {HASH_BYTES}-byte key per full block of the prompt")))
+            return
+        block_ids = self.engine.reserve(msg.request_id, msg.num_prompt_tokens, msg.block_hashes)
         if block_ids is None:
             self._send(m.Reserved(msg.request_id, False, reason="no free KV blocks"))
             return
+        num_cached = self.engine.num_reserved_cached(msg.request_id)
         tables = [list(b) for b in block_ids]
-        generation = self.fence.open(tables, msg.request_id)
+        # Only the blocks after the cached prefix are written; the cached ones may be shared
+        # with other requests and stay outside the fence.
+        skip = num_cached // block_size
+        generation = self.fence.open([t[skip:] for t in tables], msg.request_id)
         self._reservations[msg.request_id] = (generation, time.monotonic())
-        self._send(m.Reserved(msg.request_id, True, tables, generation))
+        if msg.has_images:
+            self._image_reservations.add(msg.request_id)
+        self._send(m.Reserved(msg.request_id, True, tables, generation, num_cached_tokens=num_cached))
 
     def _on_start_decode(self, msg: m.StartDecode) -> None:
         self._pending_decode[msg.request_id] = msg
@@ -125,6 +139,7 @@ class DecodeWorker(LLMWorker):
         """The reservation's KV may no longer be written (landed, aborted or expired); call
         before its blocks go back to the pool."""
         reservation = self._reservations.pop(request_id, None)
+        self._image_reservations.discard(request_id)
         if reservation is not None:
             self.fence.close(reservation[0])
 
@@ -149,10 +164,12 @@ class DecodeWorker(LLMWorker):
                         continue
                     self._landed.discard(request_id)
             del self._pending_decode[request_id]
+            has_images = request_id in self._image_reservations
             self._end_reservation(request_id)
             if not self.engine.is_reserved(request_id):
                 continue  # aborted meanwhile
-            self.engine.start_decode(request_id, msg.prompt_token_ids, msg.first_token_id, msg.sampling)
+            self.engine.start_decode(request_id, msg.prompt_token_ids, msg.first_token_id, msg.sampling,
+                                     cache_new_blocks=not has_images)
 
     def _after_step(self) -> None:
         """A reservation whose KV did not land within the lease: its blocks go back to the pool

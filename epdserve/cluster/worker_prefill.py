@@ -59,7 +59,7 @@ class PrefillWorker(LLMWorker):
             return
         self.engine.add_prefill_request(
             msg.request_id, msg.prompt_token_ids, msg.sampling, msg.kv_target, msg.kv_target_block_ids,
-            mm_inputs, msg.mm_pipelined, msg.kv_target_generation,
+            mm_inputs, msg.mm_pipelined, msg.kv_target_generation, msg.kv_target_num_cached,
         )
         self._prefill_ids.add(msg.request_id)
 
@@ -95,8 +95,8 @@ class PrefillWorker(LLMWorker):
         for stats in self.engine.poll_transfers():
             self._prefill_ids.discard(stats.request_id)
             self._send(m.TransferDone(
-                stats.request_id, stats.ok, stats.kv_bytes, stats.start, stats.end, stats.exposed_s,
-                stats.blocking_s, "" if stats.ok else "KV transfer failed", stats.transport,
+                stats.request_id, stats.ok, stats.kv_bytes, stats.kv_bytes_skipped, stats.start, stats.end,
+                stats.exposed_s, stats.blocking_s, "" if stats.ok else "KV transfer failed", stats.transport,
             ))
 
     def _release(self) -> None:

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import random
 
-__all__ = ["NULL_BLOCK", "RUN_AGE_WINDOW", "BlockPool", "hash_block"]
+__all__ = ["HASH_BYTES", "NULL_BLOCK", "RUN_AGE_WINDOW", "BlockPool", "chain_hashes", "hash_block"]
 
 NULL_BLOCK = 0
 
@@ -31,12 +31,25 @@ NULL_BLOCK = 0
 _TOKEN_PACKERS = {n: struct.Struct(f"{n}q").pack for n in (1, 2, 4, 8, 16, 32, 64, 128)}
 
 
+HASH_BYTES = 16  # a block key's length
+
+
 def hash_block(parent: bytes | None, token_ids: list[int], extra: bytes = b"") -> bytes:
     """A block's prefix-cache key: blake2b-128 of the parent block's key, the token ids as
     native int64 and ``extra``."""
     pack = _TOKEN_PACKERS.get(len(token_ids))
     tokens = pack(*token_ids) if pack is not None else array("q", token_ids).tobytes()
-    return hashlib.blake2b((parent or b"root") + tokens + extra, digest_size=16).digest()
+    return hashlib.blake2b((parent or b"root") + tokens + extra, digest_size=HASH_BYTES).digest()
+
+
+def chain_hashes(hashes: list[bytes], token_ids: list[int], block_size: int, num_blocks: int) -> list[bytes]:
+    """Extend ``hashes`` (the chained keys of the first blocks of ``token_ids``) in place to
+    ``num_blocks`` keys; returns it. The router names a prompt's blocks with this too (prefix
+    routing, a decode worker's reservation), so both sides agree on every key."""
+    while len(hashes) < num_blocks:
+        i = len(hashes)
+        hashes.append(hash_block(hashes[-1] if hashes else None, token_ids[i * block_size : (i + 1) * block_size]))
+    return hashes
 
 
 RUN_AGE_WINDOW = 64  # BlockPool: how far past the oldest cached free block a run may reach (blocks)

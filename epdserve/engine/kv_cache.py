@@ -24,13 +24,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from epdserve.engine.block_pool import NULL_BLOCK, RUN_AGE_WINDOW, BlockPool, hash_block
+from epdserve.engine.block_pool import NULL_BLOCK, RUN_AGE_WINDOW, BlockPool, chain_hashes, hash_block
 
 if TYPE_CHECKING:
     import random
 
 __all__ = ["NULL_BLOCK", "RUN_AGE_WINDOW", "BlockPool", "KVCacheGroupSpec", "KVCacheManager", "PrefixHit",
-           "hash_block", "make_group_specs"]  # the pool-level names are re-exported from block_pool
+           "chain_hashes", "hash_block", "make_group_specs"]  # the pool-level names are re-exported from block_pool
 
 
 @dataclass(frozen=True)
@@ -141,7 +141,12 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return PrefixHit.empty(len(self.groups))
         max_blocks = (len(token_ids) - 1) // self.block_size
-        hashes = self._full_block_hashes(request_id, token_ids, max_blocks)
+        return self.lookup_prefix(self._full_block_hashes(request_id, token_ids, max_blocks), max_blocks)
+
+    def lookup_prefix(self, hashes: list[bytes], max_blocks: int) -> PrefixHit:
+        """The cached blocks of the leading ``hashes`` (at most ``max_blocks``), in every group."""
+        if not self.enable_prefix_caching:
+            return PrefixHit.empty(len(self.groups))
         per_group: list[list[int]] = [[] for _ in self.groups]
         for block_hash in hashes[:max_blocks]:
             hits = [pool.lookup(block_hash) for pool in self.pools]
@@ -155,12 +160,7 @@ class KVCacheManager:
     def _full_block_hashes(self, request_id: str, token_ids: list[int], num_blocks: int) -> list[bytes]:
         entry = self._requests.get(request_id)
         hashes = entry.hashes if entry else self._pending_hashes.setdefault(request_id, [])
-        bs = self.block_size
-        while len(hashes) < num_blocks:
-            i = len(hashes)
-            parent = hashes[-1] if hashes else None
-            hashes.append(hash_block(parent, token_ids[i * bs : (i + 1) * bs]))
-        return hashes
+        return chain_hashes(hashes, token_ids, self.block_size, num_blocks)
 
     def block_hashes(self, request_id: str) -> list[bytes]:
         """The chained hashes of the request's full blocks computed so far (a copy)."""

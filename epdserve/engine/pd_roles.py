@@ -11,6 +11,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from epdserve.engine.outputs import check_mm_inputs
+from epdserve.errors import InvalidRequestError
 from epdserve.request import EventType, MMInput, Request
 from epdserve.sampling import SamplingParams
 from epdserve.transfer.connector import KVPusher, TransferStats
@@ -50,11 +51,18 @@ class PDRoles:
         mm_inputs: list[MMInput] | None = None,
         is_mm_pipelined: bool = True,
         kv_target_generation: int = 0,
+        kv_target_num_cached: int = 0,
     ) -> None:
         """Prefill worker: compute the prompt, sample the first token, push the KV to
         ``kv_target``'s blocks (reservation ``kv_target_generation``, see transfer/fence.py);
-        the blocks stay held until the transfer reports done."""
+        the blocks stay held until the transfer reports done. ``kv_target_num_cached``: leading
+        prompt tokens the decode worker holds already (their KV is not pushed)."""
         check_mm_inputs(mm_inputs or [], len(prompt_token_ids))
+        block_size = self.scheduler.kv_cache.block_size
+        if not (0 <= kv_target_num_cached < max(1, len(prompt_token_ids)) and kv_target_num_cached % block_size == 0):
+            raise InvalidRequestError(
+                f"kv_target_num_cached must be a multiple of {block_size} below the prompt's "
+                f"{len(prompt_token_ids)} tokens, got {kv_target_num_cached}")
         prefill_params = replace(params, n=1, max_tokens=1, min_tokens=min(params.min_tokens, 1))
         self._add_sequence(request_id, request_id, 0, prompt_token_ids, prefill_params)
         self._children[request_id] = [request_id]
@@ -67,17 +75,30 @@ class PDRoles:
         request.kv_target = kv_target
         request.kv_target_block_ids = kv_target_block_ids
         request.kv_target_generation = kv_target_generation
+        request.kv_target_num_cached = kv_target_num_cached
 
-    def reserve(self, request_id: str, num_prompt_tokens: int) -> list[list[int]] | None:
-        """Decode worker: blocks for a prompt whose KV a prefill worker will write."""
-        return self.scheduler.reserve(request_id, num_prompt_tokens)
+    def reserve(
+        self, request_id: str, num_prompt_tokens: int, block_hashes: list[bytes] | None = None
+    ) -> list[list[int]] | None:
+        """Decode worker: blocks for a prompt whose KV a prefill worker will write; the leading
+        blocks of ``block_hashes`` (the prompt's prefix-cache keys) found in this worker's
+        prefix cache are reused (``num_reserved_cached``)."""
+        return self.scheduler.reserve(request_id, num_prompt_tokens, block_hashes)
+
+    def num_reserved_cached(self, request_id: str) -> int:
+        """Decode worker: leading prompt tokens of a reservation taken from the prefix cache."""
+        return self.scheduler.num_reserved_cached(request_id)
 
     def start_decode(
-        self, request_id: str, prompt_token_ids: list[int], first_token_id: int, params: SamplingParams
+        self, request_id: str, prompt_token_ids: list[int], first_token_id: int, params: SamplingParams,
+        cache_new_blocks: bool = True,
     ) -> None:
-        """Decode worker: the reserved request's KV has landed; continue after the first token."""
+        """Decode worker: the reserved request's KV has landed; continue after the first token.
+        ``cache_new_blocks=False``: register no block past the hashes the reservation came with
+        (a prompt with images: this worker cannot name its blocks itself)."""
         request = Request(
-            request_id, list(prompt_token_ids), params, eos_token_ids=self.tokenizer.eos_token_ids
+            request_id, list(prompt_token_ids), params, eos_token_ids=self.tokenizer.eos_token_ids,
+            cache_new_blocks=cache_new_blocks,
         )
         request.output_token_ids.append(first_token_id)
         request.record(EventType.ARRIVED)

@@ -251,13 +251,16 @@ class ModelRunner:
             request = e.request
             if request.kv_target is None:
                 continue
-            # The first chunk also carries the prompt's prefix-cache hit.
+            # The first chunk also carries the prompt's prefix-cache hit; what the decode worker
+            # holds already (``kv_target_num_cached``) is never sent.
             start = 0 if e.start_pos == request.num_cached_tokens else e.start_pos
+            skip = request.kv_target_num_cached
+            end = e.start_pos + e.num_new_tokens
             items.append(
                 PushItem(
-                    request.request_id, request.kv_target, start, e.start_pos + e.num_new_tokens,
+                    request.request_id, request.kv_target, min(max(start, skip), end), end,
                     e.block_tables, request.kv_target_block_ids, e.will_sample,
-                    request.kv_target_generation,
+                    request.kv_target_generation, skip,
                 )
             )
         return items

@@ -52,8 +52,9 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         # Finished requests whose blocks a KV transfer still reads (prefill side).
         self.transferring: dict[str, Request] = {}
-        # Blocks reserved for a request whose KV another worker is writing (decode side).
-        self.reserved: set[str] = set()
+        # Blocks reserved for a request whose KV another worker is writing (decode side):
+        # request id -> leading prompt tokens the reservation took from the prefix cache.
+        self.reserved: dict[str, int] = {}
         self.num_computed_prompt_tokens = 0  # prompt tokens actually run through the model
         self.num_preemptions = 0
 
@@ -126,19 +127,34 @@ class Scheduler:
     def can_reserve(self) -> bool:
         return len(self.running) + len(self.reserved) < self.config.max_num_seqs
 
-    def reserve(self, request_id: str, num_prompt_tokens: int) -> list[list[int]] | None:
+    def reserve(
+        self, request_id: str, num_prompt_tokens: int, block_hashes: list[bytes] | None = None
+    ) -> list[list[int]] | None:
         """Allocate blocks for a prompt whose KV another worker will write, plus the first
-        output token; None when there is no room (the caller turns that into back-pressure)."""
+        output token; None when there is no room (the caller turns that into back-pressure).
+
+        ``block_hashes``: the prompt's full blocks by their prefix-cache keys; the leading ones
+        this worker has cached are taken from the cache (``num_reserved_cached``), and only the
+        rest need writing."""
         if request_id in self.requests or request_id in self.reserved or not self.can_reserve():
             return None
-        if not self.kv_cache.allocate(request_id, 0, num_prompt_tokens + 1):
+        hit = None
+        if block_hashes:
+            self.kv_cache.adopt_block_hashes(request_id, block_hashes)
+            hit = self.kv_cache.lookup_prefix(block_hashes, (num_prompt_tokens - 1) // self.kv_cache.block_size)
+        num_cached = hit.num_tokens if hit is not None else 0
+        if not self.kv_cache.allocate(request_id, num_cached, num_prompt_tokens + 1 - num_cached, hit):
+            self.kv_cache.free(request_id)  # the adopted hashes
             return None
-        self.reserved.add(request_id)
+        self.reserved[request_id] = num_cached
         return self.kv_cache.block_tables(request_id)
 
+    def num_reserved_cached(self, request_id: str) -> int:
+        """Leading prompt tokens of a reservation that were in the prefix cache (0: unknown)."""
+        return self.reserved.get(request_id, 0)
+
     def release_reservation(self, request_id: str) -> None:
-        if request_id in self.reserved:
-            self.reserved.discard(request_id)
+        if self.reserved.pop(request_id, None) is not None:
             self.kv_cache.free(request_id)
 
     def add_prefilled(self, request: Request) -> None:
@@ -146,7 +162,7 @@ class Scheduler:
 
         ``request.output_token_ids`` holds the first token, sampled by the prefill worker.
         """
-        self.reserved.remove(request.request_id)
+        request.num_cached_tokens = self.reserved.pop(request.request_id)
         request.num_computed_tokens = request.num_prompt_tokens
         request.status = RequestStatus.RUNNING
         request.record(EventType.SCHEDULED)
@@ -251,10 +267,10 @@ class Scheduler:
                     min(entry.start_pos + entry.num_new_tokens, request.num_prompt_tokens) - entry.start_pos
                 )
             request.num_computed_tokens += entry.num_new_tokens
-            if self.kv_cache.has_uncached_full_blocks(request.request_id, request.num_computed_tokens):
-                self.kv_cache.cache_computed_blocks(
-                    request.request_id, request.hash_token_ids, request.num_computed_tokens
-                )
+            num_cacheable = (request.num_computed_tokens if request.cache_new_blocks
+                             else min(request.num_computed_tokens, request.num_prompt_tokens))
+            if self.kv_cache.has_uncached_full_blocks(request.request_id, num_cacheable):
+                self.kv_cache.cache_computed_blocks(request.request_id, request.hash_token_ids, num_cacheable)
             token_id = sampled_token_ids.get(request.request_id)
             if token_id is None:
                 continue

@@ -27,7 +27,8 @@ from dataclasses import replace
 import msgspec
 
 from epdserve.cluster import messages as m
-from epdserve.request import EventType
+from epdserve.engine.block_pool import chain_hashes
+from epdserve.request import EventType, hash_prompt_ids
 from epdserve.roles import Role
 from epdserve.router import admission
 from epdserve.router.admission import Overloaded
@@ -76,8 +77,9 @@ class RequestFlow:
         worker; on a refusal the caller aborts every path of the request."""
         paths = [Path(path_id, handle, index, prompt, seq_params, Mode.PD)
                  for index, (path_id, seq_params) in enumerate(params.split(handle.request_id))]
+        hash_ids = hash_prompt_ids(prompt, [(i.span.offset, i.span.length, i.content_hash) for i in images])
         for path in paths:
-            await self._reserve(path)
+            await self._reserve(path, hash_ids, bool(images))
         for path in paths:
             prefill = self.registry.pick(Role.PREFILL)
             if prefill is None:
@@ -86,10 +88,12 @@ class RequestFlow:
             path.prefill = prefill.worker_id
             path.phase = Phase.PREFILLING
             prefill.take(path.path_id, len(prompt))
-            block_ids, generation = path.reserved.result() if path.reserved else ([], 0)
+            block_ids, generation, num_cached = path.reserved.result() if path.reserved else ([], 0, 0)
+            handle.timing.num_decode_cached_tokens = max(handle.timing.num_decode_cached_tokens, num_cached)
+            self.metrics.prefix_cached_tokens.labels(Role.DECODE).inc(num_cached)
             self.channel.submit(prefill.worker_id, m.Submit(
                 path.path_id, prompt, path.params, kv_target=path.decode or "",
-                kv_target_block_ids=block_ids, kv_target_generation=generation,
+                kv_target_block_ids=block_ids, kv_target_generation=generation, kv_target_num_cached=num_cached,
                 images=refs, mm_pipelined=self.config.encode_pipelined,
             ))
             self.encode.dispatch(path)
@@ -101,13 +105,18 @@ class RequestFlow:
             raise Overloaded(rejection)
         return worker
 
-    async def _reserve(self, path: Path) -> None:
+    async def _reserve(self, path: Path, hash_ids: list[int], has_images: bool) -> None:
+        """Reserve the path's blocks on a decode worker; ``hash_ids`` name the prompt's blocks
+        (``request.hash_prompt_ids``), so the worker reuses the ones it has cached."""
         decode = self._pick_for_queue(Role.DECODE)
         path.phase = Phase.RESERVING
         path.decode = decode.worker_id
         path.reserved = asyncio.get_running_loop().create_future()
         self._add_path(path, decode, 0)
-        self.channel.submit(decode.worker_id, m.Reserve(path.path_id, len(path.prompt_token_ids)))
+        block_size = decode.registration.block_size
+        hashes = chain_hashes([], hash_ids, block_size, len(hash_ids) // block_size)
+        self.channel.submit(decode.worker_id, m.Reserve(path.path_id, len(path.prompt_token_ids), hashes,
+                                                        has_images))
         try:
             await asyncio.wait_for(asyncio.shield(path.reserved), self.config.reserve_timeout_s)
         except asyncio.TimeoutError:
@@ -131,7 +140,7 @@ class RequestFlow:
         if path is None or path.reserved is None or path.reserved.done():
             return
         if msg.ok:
-            path.reserved.set_result((msg.block_ids, msg.generation))
+            path.reserved.set_result((msg.block_ids, msg.generation, msg.num_cached_tokens))
         else:
             path.reserved.set_exception(_ReservationRefused(msg.reason))
 
@@ -170,6 +179,7 @@ class RequestFlow:
         timing.record(EventType.PREFILL_START, out.prefill_start)
         timing.record(EventType.PREFILL_END, out.prefill_end)
         timing.num_cached_tokens = out.num_cached_tokens
+        self.metrics.prefix_cached_tokens.labels(Role.PREFILL).inc(out.num_cached_tokens)
         path.first_token_id = out.token_ids[0] if out.token_ids else None
         path.continues = out.finish_reason == "length" and path.params.max_tokens > 1
         if not path.continues:
@@ -199,7 +209,10 @@ class RequestFlow:
             timing.record(EventType.KV_TRANSFER_START, msg.transfer_start)
             timing.record(EventType.KV_TRANSFER_END, msg.transfer_end)
             path.kv_transport = msg.transport
+            timing.kv_bytes += msg.kv_bytes
+            timing.kv_bytes_skipped += msg.kv_bytes_skipped
             self.metrics.kv_bytes.labels(msg.transport or "shm").inc(msg.kv_bytes)
+            self.metrics.kv_bytes_skipped.inc(msg.kv_bytes_skipped)
             self.metrics.kv_seconds.inc(max(0.0, msg.transfer_end - msg.transfer_start))
             self.metrics.kv_exposed.inc(msg.exposed_s)
             timing.kv_exposed_s = max(timing.kv_exposed_s, msg.exposed_s)

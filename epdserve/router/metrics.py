@@ -22,6 +22,10 @@ class RouterMetrics:
         self.rejected = Counter("epdserve_requests_rejected_total", "Requests refused at admission", ["reason"], registry=r)
         self.kv_bytes = Counter("epdserve_kv_transfer_bytes_total", "KV bytes moved prefill -> decode, by transport "
                                 "(shm: same node, tcp: across nodes)", ["transport"], registry=r)
+        self.kv_bytes_skipped = Counter("epdserve_kv_transfer_skipped_bytes_total", "KV bytes not moved prefill -> "
+                                        "decode: the decode worker had them in its prefix cache", registry=r)
+        self.prefix_cached_tokens = Counter("epdserve_prefix_cache_hit_tokens_total", "Prompt tokens served from a "
+                                            "worker's prefix cache, by the role of the worker", ["role"], registry=r)
         self.kv_seconds = Counter("epdserve_kv_transfer_seconds_total", "Seconds KV transfers were in flight", registry=r)
         self.kv_exposed = Counter("epdserve_kv_transfer_exposed_seconds_total", "KV transfer time not hidden behind prefill", registry=r)
         self.prompt_tokens = Counter("epdserve_prompt_tokens_total", "Prompt tokens", registry=r)

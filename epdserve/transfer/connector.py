@@ -107,6 +107,7 @@ class PushItem:
     dst_tables: list[list[int]]
     is_last: bool  # the prompt's last chunk: the request's transfer ends with this step
     generation: int = 0  # the decode worker's reservation (its write fence admits only this)
+    skip: int = 0  # leading prompt positions the decode worker holds already: never pushed
     src_slots: list[torch.Tensor] = field(default_factory=list)  # per group, filled by begin_step
     dst_slots: list[torch.Tensor] = field(default_factory=list)
     dst_block_ids: list[np.ndarray] = field(default_factory=list)  # per group: blocks written this step
@@ -122,6 +123,7 @@ class TransferStats:
     compute_end: float  # when the prompt's last chunk finished computing
     blocking_s: float  # time the prefill worker's compute thread spent moving this KV
     transport: str = ""  # "shm" or "tcp" ("" when no link was open)
+    kv_bytes_skipped: int = 0  # KV of the leading positions the decode worker held already
 
     @property
     def exposed_s(self) -> float:
@@ -154,7 +156,10 @@ class KVPusher:
         self._blocking: dict[str, float] = {}
         self._bytes: dict[str, int] = {}
         self._compute_end: dict[str, float] = {}
+        self._skipped: dict[str, int] = {}  # request id -> positions not pushed (decode had them)
         self._finished: list[TransferStats] = []
+        # KV bytes of one position over every layer (K and V)
+        self.bytes_per_token = sum(2 * c[0, 0, 0].numel() * c.element_size() for c in kv_caches)
 
     # -- peers ---------------------------------------------------------------------------
     def add_peer(self, worker_id: str, endpoint: KVEndpoint, key: bytes = b"") -> None:
@@ -196,6 +201,7 @@ class KVPusher:
             self._blocking.pop(request_id, None)
             self._bytes.pop(request_id, None)
             self._compute_end.pop(request_id, None)
+            self._skipped.pop(request_id, None)
 
     @property
     def num_in_flight(self) -> int:
@@ -231,10 +237,11 @@ class KVPusher:
                 self._finish(item.request_id, ok=False)
                 continue
             self._targets[item.request_id] = item.target
+            self._skipped[item.request_id] = item.skip
             if not self.layerwise:
                 if not item.is_last:
                     continue
-                item.start = 0  # bulk: the whole prompt after its last chunk
+                item.start = min(item.skip, item.end)  # bulk: the whole prompt after its last chunk
             positions = range(item.start, item.end)
             item.src_slots = [
                 torch.tensor([t[p // bs] * bs + p % bs for p in positions], dtype=torch.long, device=self.device)
@@ -244,7 +251,7 @@ class KVPusher:
                 torch.tensor([t[p // bs] * bs + p % bs for p in positions], dtype=torch.long)
                 for t in item.dst_tables
             ]
-            first, last = item.start // bs, (item.end - 1) // bs
+            first, last = item.start // bs, (item.end - 1) // bs  # no block when start == end
             item.dst_block_ids = [np.asarray(t[first : last + 1], dtype=np.int64) for t in item.dst_tables]
             self._items.append(item)
 
@@ -270,7 +277,7 @@ class KVPusher:
         flat = self.kv_caches[layer].view(2, -1, *self.kv_caches[layer].shape[3:])
         for item in self._items:
             link = self.links.get(item.target)
-            if link is None or item.request_id not in self._targets:
+            if link is None or item.request_id not in self._targets or item.start >= item.end:
                 continue
             rid = item.request_id
             start = time.time()
@@ -305,7 +312,7 @@ class KVPusher:
             TransferStats(
                 request_id, ok, self._bytes.pop(request_id, 0), self._started.pop(request_id, now),
                 now, self._compute_end.pop(request_id, now), self._blocking.pop(request_id, 0.0),
-                self.transport_of(target),
+                self.transport_of(target), self._skipped.pop(request_id, 0) * self.bytes_per_token,
             )
         )
 
