@@ -1,0 +1,137 @@
+"""Reload or recompute: THE rule for a prefix found in a tier below a worker's pool.
+
+Load the blocks when reading them (bytes / measured tier bandwidth, plus the tier's latency per
+load) takes less time than the profiled prefill of their tokens; otherwise compute them. The
+engine, the router's ``prefix-aware`` policy (``router/prefix_index.py``) and the simulator all
+import ``PrefixCost.should_load`` from here; no other copy exists.
+
+Plain Python (no torch, no numpy, no router imports): the engine's scheduler calls it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Protocol
+
+from epdserve.errors import ConfigError
+
+
+class PrefillTerms(Protocol):
+    """The prefill terms of a step-cost model (``sim/cost_model.py`` ``StepCost`` has them)."""
+
+    per_prefill_token_s: float
+    per_prefill_attn_pair_s: float
+
+# Where a worker can find a KV block, fastest first: its own page pool (only that worker uses
+# it), the host-memory tier shared by the workers of a node, the node's local-disk tier.
+TIERS = ("pool", "host", "disk")
+LOAD_TIERS = TIERS[1:]  # the tiers a block is loaded from (a pool block is at hand)
+
+
+def causal_attn_pairs(num_new_tokens: int, num_cached_tokens: int) -> int:
+    """Query-key pairs of causal attention over positions ``num_cached_tokens`` ..
+    ``num_cached_tokens + num_new_tokens - 1``: sum of (p + 1), as ``StepShape.prefill_attn_pairs``
+    counts them."""
+    n = num_new_tokens
+    return n * num_cached_tokens + n * (n + 1) // 2
+
+
+def max_cached_blocks(num_prompt_tokens: int, block_size: int) -> int:
+    """Most whole blocks of a prompt the engine takes from cache: it always computes the last
+    token (``KVCacheManager.find_cached_prefix``)."""
+    return (num_prompt_tokens - 1) // block_size if num_prompt_tokens > 0 else 0
+
+
+def _check_seconds(name: str, value: Any) -> None:
+    is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not (is_number and math.isfinite(value) and value >= 0):
+        raise ConfigError(f"{name} must be a finite number >= 0, got {value!r}")
+
+
+def _check_int(name: str, value: Any, minimum: int) -> None:
+    if not (isinstance(value, int) and not isinstance(value, bool) and value >= minimum):
+        raise ConfigError(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+
+def _frozen_tier_map(name: str, values: Any, is_rate: bool) -> Mapping[str, float]:
+    if not isinstance(values, Mapping):
+        raise ConfigError(f"{name} must be a mapping of tier to number, got {type(values).__name__}")
+    for tier, value in values.items():
+        if tier not in LOAD_TIERS:
+            raise ConfigError(f"{name}: unknown tier {tier!r} (tiers loaded from: {', '.join(LOAD_TIERS)})")
+        _check_seconds(f"{name}[{tier!r}]", value)
+        if is_rate and value <= 0:
+            raise ConfigError(f"{name}[{tier!r}] must be > 0 (leave a tier out when it has no bandwidth)")
+    return MappingProxyType({tier: float(value) for tier, value in values.items()})
+
+
+@dataclass(frozen=True)
+class PrefixCost:
+    """Seconds to get a prompt's first token computed on one worker: prefill compute of the
+    tokens not in cache, and loads from the tiers below the pool. Coefficients as
+    ``StepCost``'s prefill terms (``sim/cost_model.py``); all >= 0."""
+
+    per_prefill_token_s: float  # prefill compute per uncached token
+    per_prefill_attn_pair_s: float = 0.0  # per (query, key) pair of causal attention
+    # Measured read bandwidth (bytes per second, > 0) per tier in LOAD_TIERS; a tier left out
+    # cannot be loaded from.
+    tier_bytes_per_s: Mapping[str, float] = field(default_factory=dict, hash=False)
+    tier_latency_s: Mapping[str, float] = field(default_factory=dict, hash=False)  # seconds per load
+    bytes_per_block: int = 0  # KV bytes of one block, every layer and group
+    block_size: int = 16  # tokens per block
+
+    def __post_init__(self) -> None:
+        _check_seconds("per_prefill_token_s", self.per_prefill_token_s)
+        _check_seconds("per_prefill_attn_pair_s", self.per_prefill_attn_pair_s)
+        _check_int("bytes_per_block", self.bytes_per_block, 0)
+        _check_int("block_size", self.block_size, 1)
+        # Read-only copies: the dataclass is frozen, its maps are too.
+        bytes_per_s = _frozen_tier_map("tier_bytes_per_s", self.tier_bytes_per_s, True)
+        object.__setattr__(self, "tier_bytes_per_s", bytes_per_s)
+        latency_s = _frozen_tier_map("tier_latency_s", self.tier_latency_s, False)
+        object.__setattr__(self, "tier_latency_s", latency_s)
+
+    @classmethod
+    def from_step_cost(
+        cls,
+        step: PrefillTerms,
+        block_size: int,
+        bytes_per_block: int,
+        tier_bytes_per_s: Mapping[str, float] | None = None,
+        tier_latency_s: Mapping[str, float] | None = None,
+    ) -> PrefixCost:
+        """The prefill terms of a profiled role's ``StepCost`` and the measured tiers."""
+        return cls(step.per_prefill_token_s, step.per_prefill_attn_pair_s,
+                   dict(tier_bytes_per_s or {}), dict(tier_latency_s or {}), bytes_per_block, block_size)
+
+    def prefill_s(self, num_new_tokens: int, num_cached_tokens: int) -> float:
+        """Compute of ``num_new_tokens`` prompt tokens after ``num_cached_tokens`` already in
+        the cache (later tokens attend to more keys, so cost more)."""
+        if num_new_tokens < 0 or num_cached_tokens < 0:
+            raise ValueError(f"token counts must be >= 0, got {num_new_tokens} new after "
+                             f"{num_cached_tokens} cached")
+        return (self.per_prefill_token_s * num_new_tokens
+                + self.per_prefill_attn_pair_s * causal_attn_pairs(num_new_tokens, num_cached_tokens))
+
+    def load_s(self, tier: str, num_blocks: int) -> float:
+        """Seconds to read ``num_blocks`` blocks from ``tier`` in one load: bytes / bandwidth +
+        latency; 0.0 for no blocks, else ``math.inf`` for a tier without a bandwidth."""
+        bytes_per_s = self.tier_bytes_per_s.get(tier)
+        if bytes_per_s is not None and num_blocks > 0:
+            return num_blocks * self.bytes_per_block / bytes_per_s + self.tier_latency_s.get(tier, 0.0)
+        if tier not in LOAD_TIERS:
+            raise ValueError(f"unknown tier {tier!r} (tiers loaded from: {', '.join(LOAD_TIERS)})")
+        if num_blocks < 0:
+            raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
+        return 0.0 if num_blocks == 0 else math.inf
+
+    def should_load(self, tier: str, num_blocks: int, num_cached_tokens: int) -> bool:
+        """THE reload-or-recompute rule: load ``num_blocks`` blocks from ``tier`` (the blocks
+        right after ``num_cached_tokens`` tokens already in cache) when that takes less time
+        than computing their tokens there; on a tie, compute. No blocks: nothing to load."""
+        if num_blocks <= 0:
+            return False
+        return self.load_s(tier, num_blocks) < self.prefill_s(num_blocks * self.block_size, num_cached_tokens)
