@@ -21,12 +21,21 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks per group (overrides --kv-cache-memory)")
     g.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
     g.add_argument("--seed", type=int, default=0, help="seed of the engine's shared sampler")
+    g.add_argument("--kv-host-tier-gib", type=float, default=0.0,
+                   help="KV store below the pool: host-memory tier size, shared by the workers of a host (0: none)")
+    g.add_argument("--kv-disk-tier-gib", type=float, default=0.0, help="KV store below the pool: local-disk tier size (0: none)")
+    g.add_argument("--kv-host-tier-dir", default=None, help="the host tier's directory (default /dev/shm/epdserve-kv-UID)")
+    g.add_argument("--kv-disk-tier-dir", default=None, help="the disk tier's directory (default ~/.cache/epdserve/kv)")
+    g.add_argument("--kv-host-tier-read-gbps", type=float, default=None,
+                   help="reload rule: the host tier's read bandwidth in GB/s instead of the one measured at start")
+    g.add_argument("--kv-disk-tier-read-gbps", type=float, default=None,
+                   help="reload rule: the disk tier's read bandwidth in GB/s instead of the one measured at start")
     # Fault injection for tests: KIND:SEED[:OPTION ...], repeatable (epdserve/faults.py).
     g.add_argument("--debug-fault", action="append", default=[], help=argparse.SUPPRESS)
 
 
 def engine_args_from(ns: argparse.Namespace):  # -> EngineArgs
-    from epdserve.config import EngineArgs
+    from epdserve.config import EngineArgs, TierOptions
     from epdserve.faults import parse_fault
 
     return EngineArgs(
@@ -42,6 +51,8 @@ def engine_args_from(ns: argparse.Namespace):  # -> EngineArgs
         kv_cache_memory_gib=ns.kv_cache_memory,
         num_kv_blocks=ns.num_kv_blocks,
         enable_prefix_caching=not ns.no_prefix_caching,
+        kv_tiers=TierOptions(ns.kv_host_tier_gib, ns.kv_disk_tier_gib, ns.kv_host_tier_dir, ns.kv_disk_tier_dir,
+                             ns.kv_host_tier_read_gbps, ns.kv_disk_tier_read_gbps),
         faults=tuple(parse_fault(text) for text in ns.debug_fault),
     )
 
@@ -54,9 +65,15 @@ def engine_argv(ns: argparse.Namespace) -> list[str]:
     if ns.model is not None:
         args += ["--model", ns.model]
     for flag, value in (("--max-model-len", ns.max_model_len), ("--max-num-batched-tokens", ns.max_num_batched_tokens),
-                        ("--num-kv-blocks", ns.num_kv_blocks)):
+                        ("--num-kv-blocks", ns.num_kv_blocks), ("--kv-host-tier-dir", ns.kv_host_tier_dir),
+                        ("--kv-disk-tier-dir", ns.kv_disk_tier_dir),
+                        ("--kv-host-tier-read-gbps", ns.kv_host_tier_read_gbps),
+                        ("--kv-disk-tier-read-gbps", ns.kv_disk_tier_read_gbps)):
         if value is not None:
             args += [flag, str(value)]
+    for flag, gib in (("--kv-host-tier-gib", ns.kv_host_tier_gib), ("--kv-disk-tier-gib", ns.kv_disk_tier_gib)):
+        if gib:
+            args += [flag, str(gib)]
     if ns.no_prefix_caching:
         args.append("--no-prefix-caching")
     if ns.no_chunked_prefill:

@@ -7,6 +7,7 @@ it into a frozen ``EngineConfig`` once the model's spec is known.
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass, field
 
 from epdserve.errors import ConfigError
@@ -64,6 +65,48 @@ class EngineConfig:
         _require(self.dtype in DTYPES, f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
 
 
+@dataclass(frozen=True)
+class TierOptions:
+    """The tiers below an engine's pool: capacities in GiB (0 = no such tier) and roots."""
+
+    host_gib: float = 0.0
+    disk_gib: float = 0.0
+    host_dir: str | None = None  # default: default_host_dir()
+    disk_dir: str | None = None  # default: default_disk_dir()
+    # The reload rule's read bandwidth per tier in GB/s, in place of the one measured at start
+    # (latency then 0): to reproduce a decision for other hardware. None: measure.
+    host_read_gbps: float | None = None
+    disk_read_gbps: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("host_gib", "disk_gib"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0):
+                raise ConfigError(f"kv {name.replace('_gib', '')} tier size must be >= 0 GiB, got {value!r}")
+        for name in ("host_read_gbps", "disk_read_gbps"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, (int, float)) and not isinstance(value, bool)
+                                          and 0 < value < float("inf")):
+                raise ConfigError(f"kv {name.split('_')[0]} tier read bandwidth must be > 0 GB/s, got {value!r}")
+
+    def read_gbps(self, tier: str) -> float | None:
+        return self.host_read_gbps if tier == "host" else self.disk_read_gbps
+
+    @property
+    def enabled(self) -> bool:
+        return self.host_gib > 0 or self.disk_gib > 0
+
+
+def default_host_dir() -> str:
+    """Where the host tier lives unless told: tmpfs, one directory per user."""
+    return f"/dev/shm/epdserve-kv-{os.getuid()}"
+
+
+def default_disk_dir() -> str:
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(cache, "epdserve", "kv")
+
+
 @dataclass
 class EngineArgs:
     """User-facing options; "auto" and None are resolved against the model in ``resolve``."""
@@ -80,6 +123,7 @@ class EngineArgs:
     kv_cache_memory_gib: float = 2.0  # KV pool size across all layers and groups
     num_kv_blocks: int | None = None  # overrides kv_cache_memory_gib
     enable_prefix_caching: bool = True
+    kv_tiers: TierOptions = field(default_factory=TierOptions)  # the KV store below the pool
     faults: tuple[FaultSpec, ...] = ()  # injected faults (tests; epdserve/faults.py)
     extra: dict = field(default_factory=dict)
 

@@ -109,6 +109,22 @@ def hash_prompt_ids(prompt_token_ids: list[int], images: list[tuple[int, int, st
     return ids
 
 
+@dataclass(frozen=True)
+class TierLoad:
+    """What a request's admission took from the KV store below the pool (``engine/kv_offload.py``)
+    and the reload rule's inputs: blocks found after the pool hit, of them those the rule chose
+    to load and those read back per tier (a block that fails its check ends the load), the
+    rule's predicted load and compute times (seconds), and the measured read time."""
+
+    num_found_tokens: int
+    num_chosen_tokens: int
+    num_host_tokens: int
+    num_disk_tokens: int
+    predicted_load_s: float
+    predicted_compute_s: float
+    read_s: float
+
+
 @dataclass
 class Request:
     request_id: str
@@ -134,6 +150,7 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache on the last admission
+    tier_load: TierLoad | None = None  # of them, loaded from the tiers below the pool
     # P/D: leading prompt tokens the decode worker already holds (its prefix cache): their KV
     # is not sent. A multiple of the block size.
     kv_target_num_cached: int = 0

@@ -9,10 +9,11 @@ Times are seconds since the epoch (``time.time()``), comparable across processes
 
 from __future__ import annotations
 
-from typing import Union
+from typing import Annotated, Literal, Union
 
 import msgspec
 
+from epdserve.engine.block_pool import HASH_BYTES
 from epdserve.request import EventType
 from epdserve.roles import Role
 from epdserve.sampling import SamplingParams
@@ -40,6 +41,18 @@ class Register(Msg):
     slab: SlabEndpoint | None = None  # consumer: where encode workers write its embeddings
     can_encode: bool = False  # has a vision encoder in-process (takes images inline)
     node: str = ""  # the node it runs on (transfer/locality.py)
+    # The reload rule's inputs (engine/reload_rule.py): KV bytes of one block (every layer),
+    # and the tiers below its pool it reads.
+    kv_bytes_per_block: Annotated[int, msgspec.Meta(ge=0)] = 0
+    kv_tiers: list[TierCost] = []
+
+
+class TierCost(msgspec.Struct, array_like=True):
+    """A KV tier below a worker's pool as measured at its start (``engine/kv_store.py``)."""
+
+    tier: Literal["host", "disk"]
+    bytes_per_s: Annotated[float, msgspec.Meta(gt=0)]
+    latency_s: Annotated[float, msgspec.Meta(ge=0)]
 
 
 class Load(msgspec.Struct):
@@ -54,6 +67,8 @@ class Load(msgspec.Struct):
     num_kv_writes_refused: int = 0  # KV layer writes a reservation fence refused (fence.py)
     num_encoder_cache_hits: int = 0  # encode: images served from the embedding cache
     num_encoder_cache_bytes: int = 0
+    # Measured prefill compute per prompt token (engine/reload_rule.py ``PrefillRate``); 0 until measured.
+    prefill_s_per_token: Annotated[float, msgspec.Meta(ge=0)] = 0.0
 
 
 class Heartbeat(Msg):
@@ -93,6 +108,7 @@ class Timing(msgspec.Struct, omit_defaults=True):
     num_decode_cached_tokens: int = 0  # P/D: prompt tokens the decode worker had cached
     kv_bytes: int = 0  # P/D: KV bytes moved prefill -> decode
     kv_bytes_skipped: int = 0  # P/D: KV bytes not moved (the decode worker held them)
+    kv_load: KVLoad | None = None  # of num_cached_tokens, what came from the tiers below the pool
     encode_start: float = 0.0  # first image's encode began
     encode_end: float = 0.0  # last image's embedding is in the consumer's memory
     embed_transfer_s: float = 0.0  # time spent writing embeddings into slabs (summed)
@@ -116,6 +132,19 @@ class Timing(msgspec.Struct, omit_defaults=True):
 TIMED_EVENTS = tuple(e for e in EventType if e.value in Timing.__struct_fields__)
 
 
+class KVLoad(msgspec.Struct, omit_defaults=True):
+    """What a request's prefill took from the KV tiers below the worker's pool, and the reload
+    rule's inputs (``request.TierLoad``)."""
+
+    num_found_tokens: int = 0  # tokens the tiers held after the pool hit
+    num_chosen_tokens: int = 0  # of them, those the reload rule chose to load (0: computed)
+    num_host_tokens: int = 0  # of them loaded from the host tier
+    num_disk_tokens: int = 0  # and from disk
+    predicted_load_s: float = 0.0  # the rule: loading what it loaded
+    predicted_compute_s: float = 0.0  # the rule: computing every found token instead
+    read_s: float = 0.0  # measured: reading and checking the blocks
+
+
 class TokenOutput(msgspec.Struct, omit_defaults=True):
     request_id: str
     index: int
@@ -131,11 +160,33 @@ class TokenOutput(msgspec.Struct, omit_defaults=True):
     encode_start: float = 0.0  # in-process encoder (no encode workers)
     encode_end: float = 0.0
     num_encoder_cache_hits: int = 0
+    kv_load: KVLoad | None = None  # first output: what the prompt took from the tiers below the pool
+
+
+MAX_EVENT_BLOCKS = 1 << 16  # block hashes one KV event may carry
+BlockHash = Annotated[bytes, msgspec.Meta(min_length=HASH_BYTES, max_length=HASH_BYTES)]
+
+
+class KVEvent(msgspec.Struct, array_like=True):
+    """Blocks (by prefix-cache key) ``stored`` in or ``removed`` from one of a worker's tiers,
+    or the whole tier ``cleared`` (``router/prefix_index.py`` keeps the router's index)."""
+
+    kind: Literal["stored", "removed", "cleared"]
+    tier: Literal["pool", "host", "disk"]
+    block_hashes: Annotated[list[BlockHash], msgspec.Meta(max_length=MAX_EVENT_BLOCKS)]
 
 
 class Outputs(Msg):
     worker_id: str
     outputs: list[TokenOutput]
+    kv_events: list[KVEvent] = []  # what the step cached and evicted, in order
+
+
+class KVEvents(Msg):
+    """KV events outside a step's outputs (tier writes that finished while the worker idled)."""
+
+    worker_id: str
+    events: list[KVEvent]
 
 
 class Reserved(Msg):
@@ -302,7 +353,7 @@ class Shutdown(Msg):
 Message = Union[
     Register, Heartbeat, Outputs, Reserved, TransferDone, RequestFailed, EncodeDone, EmbeddingLanded,
     Submit, Reserve, StartDecode, Abort, PeerUp, PeerDown, Shutdown, EncodeImage, EmbeddingReady, SlabUp,
-    ReservationExpired, Reconcile,
+    ReservationExpired, Reconcile, KVEvents,
 ]
 
 _encoder = msgspec.msgpack.Encoder()

@@ -24,7 +24,7 @@ from epdserve.config import EngineArgs
 from epdserve.engine.engine import KVCacheAllocator, LLMEngine, RequestOutput
 from epdserve.engine.failures import describe, is_fatal
 from epdserve.errors import EpdserveError, InvalidRequestError
-from epdserve.request import MMInput
+from epdserve.request import MMInput, TierLoad
 from epdserve.roles import LLM_ROLES, Role
 from epdserve.transfer.locality import TRANSPORTS
 
@@ -78,6 +78,7 @@ class LLMWorker(WorkerBase):
         super().__init__(opts.router, opts.worker_id, opts.cluster_key, opts.cores, opts.heartbeat_s)
         self.opts = opts
         self.engine = LLMEngine(engine_args, kv_cache_allocator=self._kv_cache_allocator())
+        self.engine.record_kv_events()  # the router's prefix index follows this pool
         self._step_trace = (StepTrace(opts.step_trace_dir, opts.worker_id, opts.role, torch.get_num_threads())
                             if opts.step_trace_dir else None)
         # Receiver threads (KV or image landings) wake the engine loop through this fd.
@@ -103,14 +104,22 @@ class LLMWorker(WorkerBase):
             num_kv_blocks=cfg.cache.num_blocks, block_size=cfg.cache.block_size, kv_endpoint=self.endpoint,
             slab=self.images.endpoint if self.images else None,
             can_encode=self.images is not None and self.images.can_encode,
+            kv_bytes_per_block=self.engine.bytes_per_block, kv_tiers=self._tier_costs(),
         )
+
+    def _tier_costs(self) -> list[m.TierCost]:
+        offload = self.engine.kv_offload
+        if offload is None:
+            return []
+        return [m.TierCost(tier, bytes_per_s, latency_s) for tier, (bytes_per_s, latency_s) in offload.tier_costs.items()]
 
     def load(self) -> m.Load:
         load = self.engine.load()
         return m.Load(
             num_running=load.num_running, num_waiting=load.num_waiting, num_free_blocks=load.num_free_blocks,
             num_used_blocks=load.num_used_blocks, num_reserved=load.num_reserved,
-            num_transferring=load.num_transferring, **self._transfer_load(),
+            num_transferring=load.num_transferring, prefill_s_per_token=self.engine.prefill_rate.per_token_s,
+            **self._transfer_load(),
         )
 
     def _transfer_load(self) -> dict:
@@ -219,6 +228,10 @@ class LLMWorker(WorkerBase):
                 with self._step_trace.step(self.engine):
                     self._send_outputs(self.engine.step())
         self._after_step()
+        self.engine.poll_kv_store()
+        events = self._kv_events()  # cached or evicted outside a step (a reservation, say)
+        if events:
+            self._send(m.KVEvents(self.worker_id, events))
 
     def _before_step(self) -> None:
         """Before the engine step (decode: start the requests whose KV landed)."""
@@ -236,22 +249,41 @@ class LLMWorker(WorkerBase):
                 logprobs=[m.TokenLogprob(lp.token_id, lp.logprob, list(lp.top_token_ids), list(lp.top_logprobs))
                           for lp in o.new_logprobs],
                 prefill_start=o.prefill_start, prefill_end=o.prefill_end,
+                kv_load=_kv_load(o.tier_load) if o.tier_load is not None else None,
                 **(self.images.timing(o, o.finished or self.outputs_end_at_first_token) if self.images else {}),
             )
             for o in outputs if o.error is None
         ]
+        events = self._kv_events()
         if items:
-            self._send(m.Outputs(self.worker_id, items))
+            self._send(m.Outputs(self.worker_id, items, events))
+        elif events:
+            self._send(m.KVEvents(self.worker_id, events))
         for o in outputs:
             if o.error is not None:
                 self._fail_request(o.request_id, o.error)
 
+    def _kv_events(self) -> list[m.KVEvent]:
+        """What the pool cached and evicted since the last report, in order; at most
+        ``MAX_EVENT_BLOCKS`` hashes an event."""
+        events = []
+        for kind, tier, hashes in self.engine.take_kv_events():
+            for i in range(0, len(hashes), m.MAX_EVENT_BLOCKS):
+                events.append(m.KVEvent(kind, tier, hashes[i : i + m.MAX_EVENT_BLOCKS]))
+        return events
+
     def _release(self) -> None:
+        self.engine.close()
         if self.images is not None:
             self.images.close()
         if self._step_trace is not None:
             self._step_trace.close()
         os.close(self._wake_fd)
+
+
+def _kv_load(load: TierLoad) -> m.KVLoad:
+    return m.KVLoad(load.num_found_tokens, load.num_chosen_tokens, load.num_host_tokens, load.num_disk_tokens, load.predicted_load_s,
+                    load.predicted_compute_s, load.read_s)
 
 
 class ColocatedWorker(LLMWorker):

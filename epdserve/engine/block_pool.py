@@ -76,6 +76,21 @@ class BlockPool:
         self._cached_free: OrderedDict[int, None] = OrderedDict()
         self._freed_at = [0] * num_blocks  # when a cached block joined its queue (a count of frees)
         self._clock = 0
+        # KV events (``record_events``): (stored?, block hash) in the order they happened.
+        self.events: list[tuple[bool, bytes]] | None = None
+
+    def record_events(self) -> None:
+        """From now on, note each block hash cached (stored) or evicted (removed) in ``events``."""
+        if self.events is None:
+            self.events = []
+
+    def take_events(self) -> list[tuple[bool, bytes]]:
+        """The events noted since the last call (``record_events``), oldest first."""
+        events = self.events
+        if not events:
+            return []
+        self.events = []
+        return events
 
     @property
     def free_queue(self) -> list[int]:
@@ -184,6 +199,8 @@ class BlockPool:
             return  # the same content already lives in another block
         self.block_hashes[block_id] = block_hash
         self.cached[block_hash] = block_id
+        if self.events is not None:
+            self.events.append((True, block_hash))
 
     def count_evictable(self, block_ids: list[int]) -> int:
         """How many of these (hit) blocks currently sit in the free queue."""
@@ -213,4 +230,6 @@ class BlockPool:
         if block_hash is not None:
             del self.cached[block_hash]
             self.block_hashes[block_id] = None
+            if self.events is not None:
+                self.events.append((False, block_hash))
 

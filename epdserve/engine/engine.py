@@ -27,6 +27,7 @@ from epdserve.engine.failures import describe, is_fatal
 from epdserve.engine.grammar import GrammarMasks
 from epdserve.engine.host_memory import keep_freed_memory
 from epdserve.engine.kv_cache import KVCacheManager, make_group_specs
+from epdserve.engine.kv_offload import KVOffload
 from epdserve.engine.outputs import (
     ERROR_FINISH_REASON,
     Completion,
@@ -35,10 +36,11 @@ from epdserve.engine.outputs import (
     check_mm_inputs,
 )
 from epdserve.engine.pd_roles import PDRoles
+from epdserve.engine.reload_rule import PrefillRate
 from epdserve.engine.runner import ModelRunner, kv_cache_shapes
 from epdserve.engine.sampler import TokenLogprobs
 from epdserve.engine.scheduler import Scheduler, SchedulerOutput
-from epdserve.errors import InvalidRequestError
+from epdserve.errors import ConfigError, InvalidRequestError
 from epdserve.faults import FaultKind, FaultPlan
 from epdserve.models.loader import LoadedModel, load_model
 from epdserve.request import EventType, MMInput, Request, RequestStatus
@@ -88,12 +90,42 @@ class LLMEngine(PDRoles):
             dtype, device, self.config.seed, kv_caches, self._faults,
         )
         self.runner.grammar = GrammarMasks(self.tokenizer, spec.vocab_size)
+        self.prefill_rate = PrefillRate()  # measured prefill seconds per prompt token
+        self.bytes_per_block = bytes_per_block  # KV of one block, every layer and group
+        self.kv_offload: KVOffload | None = None
+        if args.kv_tiers.enabled:
+            self.kv_offload = self._open_kv_store(args)
         self._sequences: dict[str, _Sequence] = {}
         self._children: dict[str, list[str]] = {}
         self._mm_inputs: dict[str, list[MMInput]] = {}  # by the id the request was added with
         self.last_plan: SchedulerOutput | None = None  # what the last step scheduled
         self.last_model_s = 0.0  # wall time of the last step's ModelRunner.execute (s)
         self._ids = itertools.count()
+
+    def _open_kv_store(self, args: EngineArgs) -> KVOffload:
+        """The tiers below the pool (``kv_offload.py``): one full-attention group with prefix caching."""
+        cache = self.kv_cache
+        if not cache.enable_prefix_caching:
+            raise ConfigError("the KV tiers below the pool need prefix caching (this model or --no-prefix-caching "
+                              "turns it off)")
+        if len(cache.groups) != 1:
+            raise ConfigError("the KV tiers below the pool take models with one KV cache group")
+        offload = KVOffload.open(args.kv_tiers, self.loaded.spec.name, self.runner.kv_caches, cache.pools[0],
+                                 cache.block_size, self.prefill_rate)
+        cache.on_free = offload.on_free
+        self.scheduler.prefix_loader = offload
+        return offload
+
+    def poll_kv_store(self) -> None:
+        """Release the pages whose write-down finished (each step does this; an idle worker calls it)."""
+        if self.kv_offload is not None:
+            self.kv_offload.poll()
+
+    def close(self) -> None:
+        """Stop the KV store's writer (pending writes are dropped); the engine runs no step after."""
+        if self.kv_offload is not None:
+            self.kv_offload.close()
+            self.kv_offload = None
 
     @property
     def max_model_len(self) -> int:
@@ -259,9 +291,22 @@ class LLMEngine(PDRoles):
     def num_kv_groups(self) -> int:
         return len(self.kv_cache.groups)
 
+    def record_kv_events(self) -> None:
+        """Note the prefix-cache blocks stored and removed from now on (``take_kv_events``)."""
+        self.kv_cache.record_events()
+
+    def take_kv_events(self) -> list[tuple[str, str, list[bytes]]]:
+        """(kind, tier, block hashes) of the blocks stored and removed since the last call,
+        oldest first (``router/prefix_index.py`` reads them)."""
+        events = [(kind, "pool", hashes) for kind, hashes in self.kv_cache.take_events()]
+        if self.kv_offload is not None:
+            events += [(e.kind, e.tier, list(e.block_hashes)) for e in self.kv_offload.take_events()]
+        return events
+
     def release_kv_pages(self) -> None:
         """Drop the engine's references to its KV pages (before their memory is unmapped);
         the engine runs no step after this."""
+        self.close()  # the KV store's writer reads the pages
         self.runner.release_kv_pages()
 
     # -- the loop ------------------------------------------------------------------------
@@ -284,6 +329,8 @@ class LLMEngine(PDRoles):
                 self._fail(request.request_id, describe(e, "scheduling"), failed)
             return list(failed.values())
         self.last_plan = plan
+        if self.kv_offload is not None:
+            self.kv_offload.poll()
         if plan.is_empty:
             return []
         for entry in plan.scheduled:
@@ -292,9 +339,13 @@ class LLMEngine(PDRoles):
         try:
             if self._faults is not None:
                 self._inject_step_faults(plan)
+            if plan.loads:
+                self.kv_offload.apply(plan.loads)
             model_start = time.perf_counter()
             out = self.runner.execute(plan)
             self.last_model_s = time.perf_counter() - model_start
+            if all(entry.start_pos < entry.request.num_prompt_tokens for entry in plan.scheduled):
+                self.prefill_rate.observe(plan.num_batched_tokens, self.last_model_s)
             for request_id, message in out.failed.items():  # no token for them in ``out``
                 self._fail(request_id, message, failed)
             self.scheduler.update(plan, out.sampled_token_ids)
@@ -378,6 +429,7 @@ class LLMEngine(PDRoles):
             num_cached_tokens=request.num_cached_tokens,
             prefill_start=request.first_event_time(EventType.PREFILL_START) or 0.0,
             prefill_end=request.first_event_time(EventType.PREFILL_END) or 0.0,
+            tier_load=request.tier_load if len(request.output_token_ids) == 1 else None,  # with the first token
         )
 
     def _forget(self, seq: _Sequence) -> None:

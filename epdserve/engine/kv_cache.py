@@ -21,10 +21,12 @@ group that cannot be rebuilt from a prefix (sliding window or recurrent state).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from epdserve.engine.block_pool import NULL_BLOCK, RUN_AGE_WINDOW, BlockPool, chain_hashes, hash_block
+from epdserve.engine.reload_rule import max_cached_blocks
 
 if TYPE_CHECKING:
     import random
@@ -110,6 +112,9 @@ class KVCacheManager:
         # Block hashes computed by find_cached_prefix for a request that holds no blocks yet;
         # its first allocate takes them over (a prompt is hashed once, not per lookup).
         self._pending_hashes: dict[str, list[bytes]] = {}
+        # Called with a request's cached full blocks (the first group's) and their hashes just
+        # before ``free`` drops them (kv_offload.py writes them down below the pool).
+        self.on_free: Callable[[list[int], list[bytes]], None] | None = None
 
     # -- queries -------------------------------------------------------------------------
     def block_tables(self, request_id: str) -> list[list[int]]:
@@ -140,7 +145,7 @@ class KVCacheManager:
         """Longest cached prefix of whole blocks, leaving at least one token to compute."""
         if not self.enable_prefix_caching:
             return PrefixHit.empty(len(self.groups))
-        max_blocks = (len(token_ids) - 1) // self.block_size
+        max_blocks = max_cached_blocks(len(token_ids), self.block_size)
         return self.lookup_prefix(self._full_block_hashes(request_id, token_ids, max_blocks), max_blocks)
 
     def lookup_prefix(self, hashes: list[bytes], max_blocks: int) -> PrefixHit:
@@ -287,8 +292,29 @@ class KVCacheManager:
         entry = self._requests.pop(request_id, None)
         if entry is None:
             return
+        if self.on_free is not None and entry.num_cached_blocks:
+            n = entry.num_cached_blocks
+            self.on_free(entry.tables[0][:n], entry.hashes[:n])
         for pool, table in zip(self.pools, entry.tables):
             pool.free(table)
+
+    def record_events(self) -> None:
+        """From now on, note the prefix-cache blocks stored and removed (``take_events``);
+        nothing to note without prefix caching."""
+        if self.enable_prefix_caching:
+            self.pools[0].record_events()  # every group caches the same keys
+
+    def take_events(self) -> list[tuple[str, list[bytes]]]:
+        """The block hashes cached (``"stored"``) and evicted (``"removed"``) since the last
+        call, oldest first, in runs of one kind."""
+        runs: list[tuple[str, list[bytes]]] = []
+        for stored, block_hash in self.pools[0].take_events():
+            kind = "stored" if stored else "removed"
+            if runs and runs[-1][0] == kind:
+                runs[-1][1].append(block_hash)
+            else:
+                runs.append((kind, [block_hash]))
+        return runs
 
     def reorder_free_blocks(self, rng: random.Random | None) -> None:
         """Every pool's free blocks in id order (None) or shuffled (``BlockPool.reorder_free``);

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from epdserve.engine.sampler import TokenLogprobs
 from epdserve.errors import InvalidRequestError
-from epdserve.request import MMInput
+from epdserve.request import MMInput, TierLoad
 
 ERROR_FINISH_REASON = "error"
 
@@ -31,6 +31,7 @@ class RequestOutput:
     prefill_start: float = 0.0  # seconds since the epoch; 0 when not (yet) known
     prefill_end: float = 0.0
     error: str | None = None  # why the request failed inside this engine
+    tier_load: TierLoad | None = None  # what num_cached_tokens took from the tiers below the pool
 
 
 @dataclass

@@ -11,6 +11,8 @@ Plain Python (no torch, no numpy, no router imports): the engine's scheduler cal
 from __future__ import annotations
 
 import math
+import statistics
+from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -24,6 +26,33 @@ class PrefillTerms(Protocol):
 
     per_prefill_token_s: float
     per_prefill_attn_pair_s: float
+
+# Prefill seconds per prompt token assumed until a worker measured its own (``PrefillRate``):
+# about a 135M-parameter model on two CPU cores.
+PRIOR_PREFILL_S_PER_TOKEN = 5e-4
+
+
+class PrefillRate:
+    """Prefill compute per prompt token on this worker, measured: the median of the last
+    ``window`` steps that ran only prompt tokens (at least ``min_tokens`` of them), the first
+    such step left out (it pays the process's warm-up). The engine's reload rule and the
+    router's ``prefix-aware`` policy read it when no profile gives the cost."""
+
+    def __init__(self, window: int = 16, min_tokens: int = 16) -> None:
+        self.min_tokens = min_tokens
+        self._samples: deque[float] = deque(maxlen=window)
+        self._is_warm = False
+        self.per_token_s = 0.0  # 0.0 until a step was measured
+
+    def observe(self, num_prompt_tokens: int, seconds: float) -> None:
+        if num_prompt_tokens < self.min_tokens or not (seconds > 0 and math.isfinite(seconds)):
+            return
+        if not self._is_warm:
+            self._is_warm = True
+            return
+        self._samples.append(seconds / num_prompt_tokens)
+        self.per_token_s = statistics.median(self._samples)
+
 
 # Where a worker can find a KV block, fastest first: its own page pool (only that worker uses
 # it), the host-memory tier shared by the workers of a node, the node's local-disk tier.
@@ -135,3 +164,22 @@ class PrefixCost:
         if num_blocks <= 0:
             return False
         return self.load_s(tier, num_blocks) < self.prefill_s(num_blocks * self.block_size, num_cached_tokens)
+
+    def plan_loads(self, num_cached_tokens: int, num_host_blocks: int, num_disk_blocks: int) -> tuple[int, int, float]:
+        """What to load of a prefix found below the pool: after ``num_cached_tokens`` tokens in
+        the pool, a run of ``num_host_blocks`` blocks in the host tier, then a run of
+        ``num_disk_blocks`` on disk. The host run is loaded when ``should_load`` says so; the
+        disk run only after the whole host run (the engine computes one range, from its first
+        missing token to the end), and when ``should_load`` says so at its position. Returns
+        (host blocks loaded, disk blocks loaded, seconds the loads take)."""
+        seconds = 0.0
+        num_host = num_disk = 0
+        if num_host_blocks and self.should_load("host", num_host_blocks, num_cached_tokens):
+            num_host = num_host_blocks
+            seconds += self.load_s("host", num_host)
+            num_cached_tokens += num_host * self.block_size
+        if (num_disk_blocks and num_host == num_host_blocks
+                and self.should_load("disk", num_disk_blocks, num_cached_tokens)):
+            num_disk = num_disk_blocks
+            seconds += self.load_s("disk", num_disk)
+        return num_host, num_disk, seconds

@@ -13,11 +13,27 @@ prefix cache).
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from epdserve.config import SchedulerConfig
 from epdserve.engine.kv_cache import KVCacheManager
-from epdserve.request import EventType, Request, RequestStatus
+from epdserve.engine.reload_rule import max_cached_blocks
+from epdserve.request import EventType, Request, RequestStatus, TierLoad
+
+
+class PrefixLoad(Protocol):
+    """Blocks read from below the pool for one request (kv_offload.py ``PrefixLoad``)."""
+
+    num_blocks: int
+    block_ids: list[int]  # the pages they go to: set here, at allocation
+
+    def info(self, block_size: int) -> TierLoad: ...
+
+
+class PrefixLoader(Protocol):
+    def plan_load(self, block_hashes: Sequence[bytes], num_cached_tokens: int) -> PrefixLoad | None: ...
 
 
 @dataclass
@@ -33,6 +49,9 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted_ids: list[str] = field(default_factory=list)
+    # Blocks read from the tiers below the pool for requests admitted now (``PrefixLoader``),
+    # to write into their pages before the forward pass.
+    loads: list[PrefixLoad] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -56,6 +75,9 @@ class Scheduler:
         # request id -> leading prompt tokens the reservation took from the prefix cache.
         self.reserved: dict[str, int] = {}
         self.num_computed_prompt_tokens = 0  # prompt tokens actually run through the model
+        # The tiers below the pool (kv_offload.KVOffload; None: none): asked at admission for
+        # the blocks after a pool hit.
+        self.prefix_loader: PrefixLoader | None = None
         self.num_preemptions = 0
 
     # -- queue ---------------------------------------------------------------------------
@@ -204,6 +226,9 @@ class Scheduler:
                 continue
             hit = self.kv_cache.find_cached_prefix(request.request_id, request.hash_token_ids)
             num_computed = hit.num_tokens
+            load = self._plan_load(request, num_computed) if self.prefix_loader is not None else None
+            if load is not None:
+                num_computed += load.num_blocks * self.kv_cache.block_size
             num_new = self._num_tokens_to_compute(request, budget, num_computed)
             if num_new == 0:
                 if num_computed >= request.num_ready_tokens(num_computed):
@@ -214,6 +239,11 @@ class Scheduler:
             if not self.kv_cache.allocate(request.request_id, num_computed, num_new, hit):
                 break
             self.waiting.popleft()
+            request.tier_load = load.info(self.kv_cache.block_size) if load is not None else None
+            if load is not None and load.num_blocks:
+                first = hit.num_tokens // self.kv_cache.block_size
+                load.block_ids = self.kv_cache.block_tables(request.request_id)[0][first : first + load.num_blocks]
+                out.loads.append(load)
             request.num_computed_tokens = num_computed
             request.num_cached_tokens = num_computed
             request.status = RequestStatus.RUNNING
@@ -222,6 +252,16 @@ class Scheduler:
             out.scheduled.append(self._entry(request, num_new))
             budget -= num_new
         self.waiting.extendleft(reversed(blocked))
+
+    def _plan_load(self, request: Request, num_cached: int) -> PrefixLoad | None:
+        """The prefix loader's load for the blocks after a pool hit of ``num_cached`` tokens
+        (None: nothing to load)."""
+        kv = self.kv_cache
+        max_blocks = max_cached_blocks(len(request.hash_token_ids), kv.block_size)
+        first = num_cached // kv.block_size
+        if first >= max_blocks:
+            return None
+        return self.prefix_loader.plan_load(kv.block_hashes(request.request_id)[first:max_blocks], num_cached)
 
     def _is_prompt_pending(self, request_id: str) -> bool:
         leader = self.requests.get(request_id)

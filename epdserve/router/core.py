@@ -169,4 +169,5 @@ class Router:
 
     def workers_json(self) -> list[dict]:
         """``/v1/workers``: every worker the router knows, with its load and slab space."""
-        return [w.as_json() | self.encode.worker_json(w.worker_id) for w in self.registry.workers.values()]
+        return [w.as_json() | self.encode.worker_json(w.worker_id) | self.registry.prefix_json(w.worker_id)
+                for w in self.registry.workers.values()]

@@ -57,7 +57,11 @@ class Dispatcher:
             case m.Register():
                 self._on_register(msg)
             case m.Outputs():
+                if msg.kv_events:
+                    self.registry.apply_kv_events(msg.worker_id, msg.kv_events)
                 flow.on_outputs(msg)
+            case m.KVEvents():
+                self.registry.apply_kv_events(msg.worker_id, msg.events)
             case m.Reserved():
                 flow.on_reserved(msg)
             case m.TransferDone():

@@ -27,7 +27,6 @@ from dataclasses import replace
 import msgspec
 
 from epdserve.cluster import messages as m
-from epdserve.engine.block_pool import chain_hashes
 from epdserve.request import EventType, hash_prompt_ids
 from epdserve.roles import Role
 from epdserve.router import admission
@@ -38,7 +37,7 @@ from epdserve.router.encode_stage import EncodeStage
 from epdserve.router.images import ImageInput
 from epdserve.router.metrics import RouterMetrics
 from epdserve.router.path import Mode, Path, Phase, RequestHandle, StreamEvent
-from epdserve.router.workers import WorkerInfo, WorkerRegistry
+from epdserve.router.workers import PromptBlocks, WorkerInfo, WorkerRegistry
 from epdserve.sampling import SamplingParams
 
 log = logging.getLogger("epdserve.router")
@@ -62,7 +61,8 @@ class RequestFlow:
     # -- starting ------------------------------------------------------------------------
     def start_colocated(self, handle: RequestHandle, prompt: list[int], params: SamplingParams,
                         images: list[ImageInput]) -> None:
-        worker = self._pick_for_queue(Role.COLOCATED)
+        prompt_blocks = self._prompt_blocks(prompt, images) if self.registry.routing == "prefix-aware" else None
+        worker = self._pick_for_queue(Role.COLOCATED, prompt_blocks)
         path = Path(handle.request_id, handle, None, prompt, params, Mode.COLOCATED, Phase.RUNNING,
                     colocated=worker.worker_id)
         refs = self.encode.place(path, worker, images) if images else []
@@ -77,11 +77,11 @@ class RequestFlow:
         worker; on a refusal the caller aborts every path of the request."""
         paths = [Path(path_id, handle, index, prompt, seq_params, Mode.PD)
                  for index, (path_id, seq_params) in enumerate(params.split(handle.request_id))]
-        hash_ids = hash_prompt_ids(prompt, [(i.span.offset, i.span.length, i.content_hash) for i in images])
+        prompt_blocks = self._prompt_blocks(prompt, images)
         for path in paths:
-            await self._reserve(path, hash_ids, bool(images))
+            await self._reserve(path, prompt_blocks, bool(images))
         for path in paths:
-            prefill = self.registry.pick(Role.PREFILL)
+            prefill = self.registry.pick(Role.PREFILL, prompt_blocks)
             if prefill is None:
                 raise Overloaded(admission.no_workers(Role.PREFILL))
             refs = self.encode.place(path, prefill, images) if images else []
@@ -98,23 +98,28 @@ class RequestFlow:
             ))
             self.encode.dispatch(path)
 
-    def _pick_for_queue(self, role: str) -> WorkerInfo:
-        worker = self.registry.pick(role)
+    @staticmethod
+    def _prompt_blocks(prompt: list[int], images: list[ImageInput]) -> PromptBlocks:
+        """The prompt's blocks by prefix-cache key (images by their content hash)."""
+        return PromptBlocks(hash_prompt_ids(prompt, [(i.span.offset, i.span.length, i.content_hash) for i in images]))
+
+    def _pick_for_queue(self, role: str, prompt_blocks: PromptBlocks | None = None) -> WorkerInfo:
+        worker = self.registry.pick(role, prompt_blocks)
         rejection = admission.check_worker_queue(worker, self.config.max_waiting_per_worker, role)
         if rejection is not None:
             raise Overloaded(rejection)
         return worker
 
-    async def _reserve(self, path: Path, hash_ids: list[int], has_images: bool) -> None:
-        """Reserve the path's blocks on a decode worker; ``hash_ids`` name the prompt's blocks
-        (``request.hash_prompt_ids``), so the worker reuses the ones it has cached."""
-        decode = self._pick_for_queue(Role.DECODE)
+    async def _reserve(self, path: Path, prompt_blocks: PromptBlocks, has_images: bool) -> None:
+        """Reserve the path's blocks on a decode worker, naming the prompt's blocks by key so
+        the worker reuses the ones it has cached."""
+        decode = self._pick_for_queue(Role.DECODE, prompt_blocks)
         path.phase = Phase.RESERVING
         path.decode = decode.worker_id
         path.reserved = asyncio.get_running_loop().create_future()
         self._add_path(path, decode, 0)
         block_size = decode.registration.block_size
-        hashes = chain_hashes([], hash_ids, block_size, len(hash_ids) // block_size)
+        hashes = prompt_blocks.hashes(block_size)
         self.channel.submit(decode.worker_id, m.Reserve(path.path_id, len(path.prompt_token_ids), hashes,
                                                         has_images))
         try:
@@ -164,6 +169,10 @@ class RequestFlow:
                     self._finish_path(path)
             elif msg.worker_id != path.colocated:
                 continue  # not the worker serving this path
+            elif not handle.has_first_token and out.token_ids:
+                handle.timing.num_cached_tokens = out.num_cached_tokens
+                handle.timing.kv_load = out.kv_load
+                self.metrics.prefix_cached_tokens.labels(Role.COLOCATED).inc(out.num_cached_tokens)
             self._observe_token(handle, out, now)
             if out.finished:
                 handle.num_finished_outputs += 1
@@ -179,6 +188,7 @@ class RequestFlow:
         timing.record(EventType.PREFILL_START, out.prefill_start)
         timing.record(EventType.PREFILL_END, out.prefill_end)
         timing.num_cached_tokens = out.num_cached_tokens
+        timing.kv_load = out.kv_load
         self.metrics.prefix_cached_tokens.labels(Role.PREFILL).inc(out.num_cached_tokens)
         path.first_token_id = out.token_ids[0] if out.token_ids else None
         path.continues = out.finish_reason == "length" and path.params.max_tokens > 1

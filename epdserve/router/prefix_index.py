@@ -210,17 +210,10 @@ def score(index: PrefixIndex, candidate: Candidate, block_hashes: Sequence[bytes
     block_size = cost.block_size
     match = index.match(candidate.worker_id, block_hashes, max_cached_blocks(num_prompt_tokens, block_size))
     num_cached = match.num_pool_blocks * block_size
-    ttft_s = candidate.queued_prefill_s
-    num_host, num_disk = match.num_host_blocks, match.num_disk_blocks
-    num_host_loaded = num_disk_loaded = 0
-    if num_host and cost.should_load("host", num_host, num_cached):
-        ttft_s += cost.load_s("host", num_host)
-        num_cached += num_host * block_size
-        num_host_loaded = num_host
-    if num_disk and num_host_loaded == num_host and cost.should_load("disk", num_disk, num_cached):
-        ttft_s += cost.load_s("disk", num_disk)
-        num_cached += num_disk * block_size
-        num_disk_loaded = num_disk
+    num_host_loaded, num_disk_loaded, load_s = cost.plan_loads(num_cached, match.num_host_blocks,
+                                                               match.num_disk_blocks)
+    ttft_s = candidate.queued_prefill_s + load_s
+    num_cached += (num_host_loaded + num_disk_loaded) * block_size
     loads = LoadBlocks(num_host_loaded, num_disk_loaded) if num_host_loaded or num_disk_loaded else NO_LOADS
     num_compute = num_prompt_tokens - num_cached
     ttft_s += cost.prefill_s(num_compute, num_cached)

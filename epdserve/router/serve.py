@@ -7,8 +7,10 @@ import asyncio
 import json
 import logging
 import os
+import shutil
 import socket
 import sys
+import tempfile
 import threading
 import time
 
@@ -217,6 +219,10 @@ async def serve(ns: argparse.Namespace) -> int:
     router = Router(key, config, host=router_host, port=ns.router_port)
     await router.start()
     started = time.monotonic()
+    owned_host_tier = None
+    if ns.kv_host_tier_gib and not ns.kv_host_tier_dir and ray_workers is None:
+        # A host tier of this server alone: its workers share it, and it goes when they do.
+        owned_host_tier = ns.kv_host_tier_dir = tempfile.mkdtemp(prefix="epdserve-kv-", dir="/dev/shm")
     extra = engine_argv(ns) + ["--kv-transport", ns.kv_transport]
     if ray_workers is None:
         extra += ["--kv-host", router_host]  # the address other hosts reach this one by
@@ -291,3 +297,5 @@ async def serve(ns: argparse.Namespace) -> int:
         stop_workers(supervisor.workers)
         if ray_workers is not None:
             ray_workers.stop()
+        if owned_host_tier is not None:
+            shutil.rmtree(owned_host_tier, ignore_errors=True)

@@ -18,6 +18,8 @@ part not hidden behind prefill compute (blocking + in flight after it).
 
 from __future__ import annotations
 
+import msgspec
+
 from epdserve.cluster.messages import Timing
 
 
@@ -45,6 +47,7 @@ def timing_json(t: Timing) -> dict:
         "num_decode_cached_tokens": t.num_decode_cached_tokens,
         "kv_bytes": t.kv_bytes,
         "kv_bytes_skipped": t.kv_bytes_skipped,
+        "kv_load": msgspec.structs.asdict(t.kv_load) if t.kv_load is not None else None,
         "encode_start": t.encode_start,
         "encode_end": t.encode_end,
         "num_images": t.num_images,

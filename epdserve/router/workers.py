@@ -7,7 +7,11 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from epdserve.cluster import messages as m
+from epdserve.engine.block_pool import chain_hashes
+from epdserve.engine.reload_rule import PRIOR_PREFILL_S_PER_TOKEN
 from epdserve.errors import ConfigError
+from epdserve.roles import Role
+from epdserve.router.prefix_index import TIERS, Candidate, PrefixCost, PrefixIndex, choose, score
 
 
 class WorkerState(str, Enum):
@@ -45,9 +49,25 @@ class WorkerInfo:
     worker_id: str = field(init=False)
     role: str = field(init=False)
 
+    _prefix_cost: PrefixCost | None = field(default=None, init=False, repr=False)
+
     def __post_init__(self) -> None:
         self.worker_id = self.registration.worker_id
         self.role = self.registration.role
+
+    @property
+    def prefix_cost(self) -> PrefixCost:
+        """The reload rule's costs on this worker (``engine/reload_rule.py``): its measured
+        prefill per token (the last heartbeat's; ``PRIOR_PREFILL_S_PER_TOKEN`` until one
+        measured it) and the tiers it registered."""
+        per_token_s = self.load.prefill_s_per_token or PRIOR_PREFILL_S_PER_TOKEN
+        cost = self._prefix_cost
+        if cost is None or cost.per_prefill_token_s != per_token_s:
+            reg = self.registration
+            cost = PrefixCost(per_token_s, 0.0, {t.tier: t.bytes_per_s for t in reg.kv_tiers},
+                              {t.tier: t.latency_s for t in reg.kv_tiers}, reg.kv_bytes_per_block, reg.block_size)
+            self._prefix_cost = cost
+        return cost
 
     @property
     def endpoint(self) -> m.KVEndpoint | None:
@@ -110,8 +130,32 @@ def _listener(endpoint: m.KVEndpoint | m.SlabEndpoint | None) -> str:
 
 
 # Routing policies (``epdserve serve --routing``): what ``WorkerRegistry.pick`` minimizes first.
-ROUTING_POLICIES = ("least-prefill", "least-requests")
+ROUTING_POLICIES = ("least-prefill", "least-requests", "prefix-aware")
 DEFAULT_ROUTING = ROUTING_POLICIES[0]
+# prefix-aware, decode: a worker holding more of the prompt is preferred while it has at most
+# this many more requests in hand than the least loaded one
+DECODE_AFFINITY_SLACK = 2
+
+
+@dataclass
+class PromptBlocks:
+    """A prompt as prefix-aware routing names it: its hash ids (``request.hash_prompt_ids``),
+    chained into block keys (``engine/block_pool.py``) once per block size asked for."""
+
+    hash_ids: list[int]
+    ttft_slo_s: float | None = None  # the request's TTFT SLO, if it has one
+    _by_block_size: dict[int, list[bytes]] = field(default_factory=dict, repr=False)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.hash_ids)
+
+    def hashes(self, block_size: int) -> list[bytes]:
+        hashes = self._by_block_size.get(block_size)
+        if hashes is None:
+            hashes = chain_hashes([], self.hash_ids, block_size, len(self.hash_ids) // block_size)
+            self._by_block_size[block_size] = hashes
+        return hashes
 
 
 class WorkerRegistry:
@@ -120,9 +164,21 @@ class WorkerRegistry:
             raise ConfigError(f"routing must be one of {', '.join(ROUTING_POLICIES)}, got {routing!r}")
         self.workers: dict[str, WorkerInfo] = {}
         self.routing = routing
+        self.prefix_index = PrefixIndex()  # which worker holds which blocks (KV events)
 
     def add(self, info: WorkerInfo) -> None:
+        """A worker registered (again: its pool starts empty in the prefix index)."""
         self.workers[info.worker_id] = info
+        self.prefix_index.add_worker(info.worker_id, info.registration.node)
+
+    def prefix_json(self, worker_id: str) -> dict:
+        """``/v1/workers``: the KV blocks the router believes the worker can read, per tier."""
+        index = self.prefix_index
+        return {"cached_blocks": {tier: index.num_blocks(worker_id, tier) for tier in TIERS}}
+
+    def apply_kv_events(self, worker_id: str, events: list[m.KVEvent]) -> None:
+        for event in events:
+            self.prefix_index.apply(worker_id, event.kind, event.tier, event.block_hashes)
 
     def get(self, worker_id: str) -> WorkerInfo | None:
         return self.workers.get(worker_id)
@@ -141,7 +197,47 @@ class WorkerRegistry:
                 counts[w.role] = counts.get(w.role, 0) + 1
         return counts
 
-    def pick(self, role: str) -> WorkerInfo | None:
+    def pick(self, role: str, prompt: PromptBlocks | None = None) -> WorkerInfo | None:
+        """The worker for a new request's ``role``: by ``prefix-aware`` (``pick_by_prefix``)
+        when that is the policy and the prompt is given, else ``pick_least_loaded``."""
+        if prompt is not None and self.routing == "prefix-aware":
+            return self.pick_by_prefix(role, prompt)
+        return self.pick_least_loaded(role)
+
+    def pick_by_prefix(self, role: str, prompt: PromptBlocks) -> WorkerInfo | None:
+        """``prefix-aware``: the ready worker of ``role`` with the smallest predicted time to
+        first token (``prefix_index.score``: prefill queued ahead, loads the reload rule
+        takes, compute of the rest), among those meeting the request's TTFT SLO when any
+        does; equals go to the least loaded (``pick_least_loaded``'s order).
+
+        A decode worker computes no prompt: it takes the one holding the most of the prompt's
+        blocks in its pool (the fewest bytes to send), among those with at most
+        ``DECODE_AFFINITY_SLACK`` more requests in hand than the least loaded one.
+        """
+        workers = sorted((w for w in self.workers.values() if w.role == role and w.is_ready),
+                         key=lambda w: (w.num_prefill_tokens, len(w.request_ids), -w.load.num_free_blocks))
+        if not workers:
+            return None
+        index = self.prefix_index
+        if role == Role.DECODE:
+            most = len(workers[0].request_ids) + DECODE_AFFINITY_SLACK
+            best, best_blocks = workers[0], -1
+            for w in workers:
+                if len(w.request_ids) <= most:
+                    num_blocks = index.match(w.worker_id, prompt.hashes(w.registration.block_size)).num_pool_blocks
+                    if num_blocks > best_blocks:
+                        best, best_blocks = w, num_blocks
+            return best
+        scores = []
+        for w in workers:
+            cost = w.prefix_cost
+            queued_s = cost.per_prefill_token_s * w.num_prefill_tokens
+            scores.append(score(index, Candidate(w.worker_id, queued_s), prompt.hashes(cost.block_size),
+                                prompt.num_tokens, cost))
+        chosen = choose(scores, prompt.ttft_slo_s)
+        return self.workers[chosen.worker_id]
+
+    def pick_least_loaded(self, role: str) -> WorkerInfo | None:
         """The ready worker of ``role`` with the fewest prompt tokens still to prefill, then the
         fewest requests in hand, then the most free blocks (``least-prefill``; with
         ``least-requests`` the first key is left out).

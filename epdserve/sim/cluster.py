@@ -18,6 +18,7 @@ from __future__ import annotations
 from epdserve.engine.step_shape import StepShape
 from epdserve.request import EventType, MMInput, Request
 from epdserve.router.admission import Rejection, check_pending, check_worker_queue, reservation_refused
+from epdserve.router.workers import PromptBlocks
 from epdserve.sampling import SamplingParams
 from epdserve.sim import fastforward
 from epdserve.sim.config import SimConfig
@@ -59,14 +60,16 @@ class ClusterSim(SimLoop):
         except InvalidFieldError as e:
             return self.recorder.fail(index, now, num_prompt, f"400 {e}", now)
         rid = str(index)
-        first = self._pick("decode" if self.is_split else "colocated")
-        rejection = check_worker_queue(first.worker, config.max_waiting_per_worker)
-        if rejection is not None:
-            return self._reject(index, num_prompt, rejection)
         prompt = w.prompt_token_ids(index, self._filler)
         if self.num_image_tokens:
             prompt = [DUMMY_TOKEN_ID] * self.num_image_tokens + prompt
+        prompt_blocks = PromptBlocks(prompt) if self.is_prefix_aware else None
+        first = self._pick("decode" if self.is_split else "colocated", prompt_blocks)
+        rejection = check_worker_queue(first.worker, config.max_waiting_per_worker)
+        if rejection is not None:
+            return self._reject(index, num_prompt, rejection)
         flight = Flight(index, now, num_prompt, num_output, prompt)
+        flight.prompt_blocks = prompt_blocks
         blocks = None
         answer_at = None  # when a busy decode instance answers the reservation
         if self.is_split:
@@ -121,7 +124,7 @@ class ClusterSim(SimLoop):
         reserved ``blocks`` for it), or to the colocated instance picked at arrival."""
         rid, prompt, arrival = flight.request_id, flight.prompt, flight.arrived
         if self.is_split:
-            target = flight.prefill = self._pick("prefill")
+            target = flight.prefill = self._pick("prefill", flight.prompt_blocks)
             request = Request(rid, prompt, self._prefill_params, arrival_time=arrival, hold_kv_for_transfer=True,
                               kv_target=flight.decode.worker.worker_id, kv_target_block_ids=blocks)
         else:
@@ -232,6 +235,7 @@ class ClusterSim(SimLoop):
         inst.is_busy, inst.out = False, None
         sampled = {e.request.request_id: DUMMY_TOKEN_ID for e in out.scheduled if e.will_sample}
         finished = inst.scheduler.update(out, sampled)
+        self._publish_kv_events(inst)
         flights = self.flights
         if inst.role != "decode":
             for entry in out.scheduled:

@@ -113,7 +113,7 @@ class StepInstance:
     def load(self) -> m.Load:
         s = self.scheduler
         return m.Load(s.num_running, s.num_waiting, self.kv_cache.num_free_blocks(), self.kv_cache.num_used_blocks(),
-                      len(s.reserved), len(s.transferring))
+                      len(s.reserved), len(s.transferring), prefill_s_per_token=self.step_cost.per_prefill_token_s)
 
 
 class EncodeInstance:

@@ -21,7 +21,7 @@ import heapq
 from time import perf_counter
 
 from epdserve.errors import ConfigError
-from epdserve.router.workers import WorkerRegistry
+from epdserve.router.workers import PromptBlocks, WorkerRegistry
 from epdserve.sampling import SamplingParams
 from epdserve.sim import fastforward
 from epdserve.sim.config import SimConfig, SimStats
@@ -56,6 +56,8 @@ class SimLoop:
         self.max_model_len = config.max_model_len or max(2, int(lengths.max()))
         self.instances: list[StepInstance | EncodeInstance] = []
         self.registry = WorkerRegistry(config.routing)
+        # prefix-aware routing: instances report the blocks they cache and evict (KV events)
+        self.is_prefix_aware = config.routing == "prefix-aware"
         self.by_worker_id: dict[str, StepInstance | EncodeInstance] = {}
         for role in topo.roles:
             for i in range(topo.count(role)):
@@ -100,6 +102,8 @@ class SimLoop:
         inst.index = len(self.instances)
         self.instances.append(inst)
         self.registry.add(inst.worker)
+        if self.is_prefix_aware and role != "encode":
+            inst.kv_cache.record_events()
         self.by_worker_id[worker_id] = inst
 
     # -- event loop ----------------------------------------------------------------------
@@ -162,10 +166,18 @@ class SimLoop:
             self._push(self.now + self.config.heartbeat_s, HEARTBEAT, None)
 
     # -- instances -----------------------------------------------------------------------
-    def _pick(self, role: str) -> StepInstance | EncodeInstance | None:
+    def _pick(self, role: str, prompt: PromptBlocks | None = None) -> StepInstance | EncodeInstance | None:
         """The instance the router's registry picks for ``role`` (None: none of that role)."""
-        worker = self.registry.pick(role)
+        worker = self.registry.pick(role, prompt)
         return None if worker is None else self.by_worker_id[worker.worker_id]
+
+    def _publish_kv_events(self, inst: StepInstance) -> None:
+        """prefix-aware: what ``inst`` cached and evicted reaches the router's prefix index (a
+        worker sends its step's events with the step's outputs)."""
+        if self.is_prefix_aware:
+            index, worker_id = self.registry.prefix_index, inst.worker.worker_id
+            for kind, hashes in inst.kv_cache.take_events():
+                index.apply(worker_id, kind, "pool", hashes)
 
     def _sync(self, inst: StepInstance) -> None:
         """Before anything changes a fast-forwarding instance's requests (a new one joins its

@@ -58,6 +58,7 @@ class Flight:
         "num_prompt",
         "prefill",
         "prompt",
+        "prompt_blocks",
         "request_id",
         "token_times",
     )
@@ -70,6 +71,7 @@ class Flight:
         self.num_prompt = num_prompt
         self.num_output = num_output
         self.prompt = prompt
+        self.prompt_blocks = None  # router/workers.py PromptBlocks (prefix-aware routing)
         self.kv_exposed_s = 0.0  # KV transfer still in flight when the prefill step ended (a duration)
         self.kv_sent = 0  # prompt tokens whose KV is queued on the prefill instance's link
         self.token_times: list[float] | None = None  # detail requests only

@@ -7,6 +7,9 @@ the blocks after them.
 
 from __future__ import annotations
 
+import shutil
+import tempfile
+
 import httpx
 import pytest
 from serving import SMALL, Server, start_server, stop_server
@@ -82,3 +85,111 @@ def test_decode_cache_survives_while_prefill_recomputes(tmp_path):
         server.wait_all_blocks_free()
     finally:
         stop_server(server)
+
+
+def _cached_pool_blocks(server: Server) -> dict[str, int]:
+    return {w["id"]: w["cached_blocks"]["pool"] for w in server.workers() if w["state"] == "ready"}
+
+
+def test_prefix_aware_routing_sends_a_repeated_prefix_to_its_holder(tmp_path):
+    """Two colocated workers: a repeated prefix goes to the worker that cached it even while
+    that one is busier; a fresh prompt goes to the least loaded one."""
+    server = start_server(SMALL + ["--colocated-workers", "2", "--routing", "prefix-aware"], str(tmp_path))
+    try:
+        assert complete(server, PROMPT, max_tokens=1)["timing"]["num_cached_tokens"] == 0
+        # The first answer's Outputs carried the KV events of its prompt's blocks.
+        holder = max(blocks := _cached_pool_blocks(server), key=blocks.get)
+        assert blocks[holder] >= len(PROMPT) // BLOCK_SIZE
+        other = next(w for w in blocks if w != holder)
+        assert blocks[other] == 0
+        with httpx.Client(base_url=server.url, timeout=120) as client:
+            body = {"model": MODEL, "prompt": PROMPT + [11, 12, 13], "max_tokens": 400, "temperature": 0,
+                    "ignore_eos": True, "stream": True, "return_timing": True}
+            with client.stream("POST", "/v1/completions", json=body) as long_stream:
+                assert long_stream.status_code == 200
+                lines = long_stream.iter_lines()
+                next(line for line in lines if line.startswith("data: "))  # its first token: prefilled
+                assert server.worker(holder)["load"]["num_requests"] == 1  # the prefix's holder took it
+                # The holder is now the busier worker: a repeat of the prefix still goes there,
+                again = complete(server, PROMPT, max_tokens=1)
+                assert again["timing"]["num_cached_tokens"] == (len(PROMPT) - 1) // BLOCK_SIZE * BLOCK_SIZE
+                # and a fresh prompt to the other (least-loaded) worker.
+                fresh = [(11 * i) % 3000 + 500 for i in range(203)]
+                assert complete(server, fresh, max_tokens=1)["timing"]["num_cached_tokens"] == 0
+                assert _cached_pool_blocks(server)[other] >= len(fresh) // BLOCK_SIZE
+                for _ in lines:
+                    pass
+        server.wait_all_blocks_free()
+    finally:
+        stop_server(server)
+
+
+def _prompt(seed: int, n: int = 203) -> list[int]:
+    return [(seed * 131 + 7 * i) % 4000 + 100 for i in range(n)]
+
+
+@pytest.mark.parametrize("layout", ["colocated", "pd"])
+def test_evicted_prefix_is_reloaded_from_host_then_disk_and_a_corrupt_block_is_a_miss(tmp_path, layout):
+    """One colocated worker with a small pool (39 usable blocks), a host tier of 71 blocks
+    (float32 KV: 720 KiB a block) and a disk tier below it. Prompts of 13 full blocks: four
+    others push a prefix out of the pool (it is then on the host tier), eight more push it down
+    to disk. Greedy output is the same each time, and
+    a disk block corrupted on purpose is a miss (computed), never wrong output.
+
+    The rule's inputs are pinned (read bandwidths given, not measured) so that it loads; the
+    timing shows the rule's inputs either way. P/D: the prefill worker loads, and pushes the
+    loaded blocks to the decode worker like computed ones."""
+    host_dir = tmp_path_factory_shm()
+    disk_dir = tmp_path / "disk"
+    try:
+        workers = ["--colocated-workers", "1"] if layout == "colocated" else ["--prefill-workers", "1"]
+        server = start_server(SMALL + workers + ["--num-kv-blocks", "40", "--dtype", "float32",
+                                       "--kv-host-tier-gib", "0.05", "--kv-host-tier-dir", host_dir,
+                                       "--kv-disk-tier-gib", "0.2", "--kv-disk-tier-dir", str(disk_dir),
+                                       "--kv-host-tier-read-gbps", "100", "--kv-disk-tier-read-gbps", "50"],
+                              str(tmp_path))
+        try:
+            target = _prompt(0)
+            first = complete(server, target)
+            assert first["timing"]["num_cached_tokens"] == 0 and first["timing"]["kv_load"] is None
+            for seed in (1, 2, 3, 4):
+                complete(server, _prompt(seed))
+            from_host = complete(server, target)
+            assert from_host["choices"][0]["text"] == first["choices"][0]["text"]
+            load = from_host["timing"]["kv_load"]
+            assert load is not None and load["num_host_tokens"] > 0, from_host["timing"]
+            assert load["predicted_load_s"] < load["predicted_compute_s"]
+            assert from_host["timing"]["num_cached_tokens"] == (len(target) - 1) // BLOCK_SIZE * BLOCK_SIZE
+
+            def push_to_disk() -> None:
+                for seed in range(10, 18):
+                    complete(server, _prompt(seed))
+
+            push_to_disk()
+            from_disk = complete(server, target)
+            assert from_disk["choices"][0]["text"] == first["choices"][0]["text"]
+            load = from_disk["timing"]["kv_load"]
+            assert load is not None and load["num_disk_tokens"] > 0, from_disk["timing"]
+
+            push_to_disk()
+            files = sorted(p for p in (disk_dir).rglob("*") if p.is_file() and not p.name.startswith("."))
+            assert files
+            for path in files:  # every block on disk: the target's are among them
+                data = bytearray(path.read_bytes())
+                data[-1] ^= 0xFF
+                path.write_bytes(bytes(data))
+            corrupt = complete(server, target)
+            assert corrupt["choices"][0]["text"] == first["choices"][0]["text"]
+            load = corrupt["timing"]["kv_load"]
+            # The rule chose to load blocks from disk; the first failed its check: none loaded.
+            assert load["num_chosen_tokens"] > load["num_host_tokens"] and load["num_disk_tokens"] == 0, load
+            assert metric(server, "epdserve_prefix_cache_hit_tokens_total") > 0
+            server.wait_all_blocks_free()
+        finally:
+            stop_server(server)
+    finally:
+        shutil.rmtree(host_dir, ignore_errors=True)
+
+
+def tmp_path_factory_shm() -> str:
+    return tempfile.mkdtemp(prefix="epdserve-test-kv-", dir="/dev/shm")

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from epdserve.cluster import messages as m
 from epdserve.engine.block_pool import hash_block
 from epdserve.engine.reload_rule import LOAD_TIERS, TIERS, PrefixCost, causal_attn_pairs, max_cached_blocks
 from epdserve.engine.step_shape import StepShape
@@ -23,6 +24,7 @@ from epdserve.router.prefix_index import (
     choose,
     score,
 )
+from epdserve.router.workers import DECODE_AFFINITY_SLACK, PromptBlocks, WorkerInfo, WorkerRegistry
 from epdserve.sim.cost_model import StepCost
 
 
@@ -358,3 +360,52 @@ def test_choose_with_an_slo():
     for bad in (-1.0, math.nan):
         with pytest.raises(ValueError):
             choose(scores, bad)
+
+
+# -- the registry's prefix-aware pick ------------------------------------------------------
+
+
+def _registry(role: str, n: int, block_size: int = 4):
+    registry = WorkerRegistry("prefix-aware")
+    for i in range(n):
+        registry.add(WorkerInfo(m.Register(f"w{i}", role, 0, "h", "model", 1024, 100, block_size,
+                                           kv_bytes_per_block=1000)))
+    return registry
+
+
+def _stored(registry, worker_id: str, hashes: list[bytes]) -> None:
+    registry.apply_kv_events(worker_id, [m.KVEvent("stored", "pool", hashes)])
+
+
+def test_prefix_aware_pick_prefers_the_holder_until_its_queue_costs_more():
+    registry = _registry("prefill", 2)
+    prompt = PromptBlocks(list(range(41)))  # 10 full blocks of 4 and a token
+    _stored(registry, "w1", prompt.hashes(4)[:8])
+    assert registry.pick("prefill", prompt).worker_id == "w1"
+    assert registry.pick("prefill").worker_id == "w0"  # without the prompt: least loaded (first of equals)
+    registry.get("w1").take("r1", 20)  # 20 tokens queued ahead there: 41 - 32 + 20 < 41 still
+    assert registry.pick("prefill", prompt).worker_id == "w1"
+    registry.get("w1").take("r2", 100)  # now computing the whole prompt on w0 is sooner
+    assert registry.pick("prefill", prompt).worker_id == "w0"
+    registry.apply_kv_events("w1", [m.KVEvent("removed", "pool", prompt.hashes(4)[:8])])
+    assert registry.prefix_json("w1") == {"cached_blocks": {"pool": 0, "host": 0, "disk": 0}}
+
+
+def test_prefix_aware_decode_pick_takes_the_holder_within_the_slack():
+    registry = _registry("decode", 2)
+    prompt = PromptBlocks(list(range(41)))
+    _stored(registry, "w1", prompt.hashes(4)[:3])
+    for i in range(DECODE_AFFINITY_SLACK):
+        registry.get("w1").take(f"r{i}")
+    assert registry.pick("decode", prompt).worker_id == "w1"
+    registry.get("w1").take("one-more")
+    assert registry.pick("decode", prompt).worker_id == "w0"
+
+
+def test_registration_again_empties_the_workers_pool_in_the_index():
+    registry = _registry("colocated", 1)
+    prompt = PromptBlocks(list(range(16)))
+    _stored(registry, "w0", prompt.hashes(4))
+    assert registry.prefix_json("w0")["cached_blocks"]["pool"] == 4
+    registry.add(WorkerInfo(m.Register("w0", "colocated", 0, "h", "model", 1024, 100, 4)))
+    assert registry.prefix_json("w0")["cached_blocks"]["pool"] == 0

@@ -352,3 +352,24 @@ def test_step_shape_counts_prefill_and_decode_entries():
     shape = StepShape.from_scheduler_output(out)
     assert shape == StepShape(6, 6 * 4 + 21, 1, 7)
     assert StepCost(1.0, 0.5, 0.0, 2.0, 0.0).time_s(shape) == 1.0 + 3.0 + 2.0
+
+
+def test_prefix_aware_routing_in_the_simulator(tmp_path):
+    """The simulator routes with the router's registry: under ``prefix-aware`` a repeated
+    prefix goes to the instance that cached it (fewer prompt tokens computed over all), under
+    ``least-prefill`` to whichever is least loaded."""
+    trace = tmp_path / "t.jsonl"
+    rows = [{"timestamp": 0, "input_length": 1024, "output_length": 200, "hash_ids": [0, 1]},
+            {"timestamp": 3000, "input_length": 1024, "output_length": 2, "hash_ids": [0, 1]},
+            {"timestamp": 3100, "input_length": 1024, "output_length": 2, "hash_ids": [0, 2]}]
+    trace.write_text("\n".join(json.dumps(r) for r in rows))
+    w = trace_workload(str(trace))
+    computed = {}
+    for routing in ("least-prefill", "prefix-aware"):
+        sim, _ = run(profile_dict(), "colocated=2", w, routing=routing)
+        computed[routing] = sum(inst.scheduler.num_computed_prompt_tokens for inst in sim.instances)
+    # Least-prefill sends the second request to the idle instance (the first still decodes
+    # its 200 tokens), which computes it all; prefix-aware sends the second and the third
+    # to the holder of blocks 0 (and 1).
+    assert computed["least-prefill"] > computed["prefix-aware"]
+    assert computed["prefix-aware"] == 1024 + 16 + 512
