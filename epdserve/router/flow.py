@@ -171,7 +171,7 @@ class RequestFlow:
                 continue  # not the worker serving this path
             elif not handle.has_first_token and out.token_ids:
                 handle.timing.num_cached_tokens = out.num_cached_tokens
-                handle.timing.kv_load = out.kv_load
+                self._observe_kv_load(handle.timing, out.kv_load)
                 self.metrics.prefix_cached_tokens.labels(Role.COLOCATED).inc(out.num_cached_tokens)
             self._observe_token(handle, out, now)
             if out.finished:
@@ -188,7 +188,7 @@ class RequestFlow:
         timing.record(EventType.PREFILL_START, out.prefill_start)
         timing.record(EventType.PREFILL_END, out.prefill_end)
         timing.num_cached_tokens = out.num_cached_tokens
-        timing.kv_load = out.kv_load
+        self._observe_kv_load(timing, out.kv_load)
         self.metrics.prefix_cached_tokens.labels(Role.PREFILL).inc(out.num_cached_tokens)
         path.first_token_id = out.token_ids[0] if out.token_ids else None
         path.continues = out.finish_reason == "length" and path.params.max_tokens > 1
@@ -418,6 +418,14 @@ class RequestFlow:
             self.metrics.itl.observe(now - handle.last_token_time)
         handle.last_token_time = now
         self.metrics.generation_tokens.inc(len(out.token_ids))
+
+    def _observe_kv_load(self, timing: m.Timing, load: m.KVLoad | None) -> None:
+        timing.kv_load = load
+        if load is not None:
+            counter = self.metrics.kv_tier_tokens
+            for kind, value in (("found", load.num_found_tokens), ("chosen", load.num_chosen_tokens),
+                                ("host", load.num_host_tokens), ("disk", load.num_disk_tokens)):
+                counter.labels(kind).inc(value)
 
     @staticmethod
     def _observe_inline_encode(timing: m.Timing, out: m.TokenOutput) -> None:
