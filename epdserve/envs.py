@@ -82,3 +82,16 @@ def is_keep_freed_memory_enabled() -> bool:
     keeps glibc malloc's default thresholds (``epdserve/engine/host_memory.py``)."""
     value = os.environ.get(EPDSERVE_KEEP_FREED_MEMORY, "").strip().lower()
     return value not in ("0", "false", "no", "off")
+
+
+EPDSERVE_TRACES_DIR = "EPDSERVE_TRACES_DIR"
+
+
+def get_traces_dir() -> Path:
+    """Where experiments find the public request traces (``mooncake_conversation.jsonl``, ...):
+    ``$EPDSERVE_TRACES_DIR`` when set and non-empty, else ``shared/data/traces`` beside the
+    project's checkout."""
+    configured = os.environ.get(EPDSERVE_TRACES_DIR, "").strip()
+    if configured:
+        return Path(configured).expanduser()
+    return Path(__file__).resolve().parents[2] / "shared" / "data" / "traces"

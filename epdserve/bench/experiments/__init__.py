@@ -27,6 +27,9 @@ EXPERIMENTS = {
             "image TTFT: colocated vs E/P/D vs E/P/D without pipelining, one small image vs 8 per request"),
     "ratio": ("epdserve.bench.experiments.ratio",
               "goodput at SLO of every two-core topology, measured, against what epdserve plan predicted and chose"),
+    "prefix-cache": ("epdserve.bench.experiments.prefix_cache",
+                     "Mooncake conversations: least-prefill vs prefix-aware routing vs prefix-aware with KV tiers; "
+                     "reload vs recompute by prefix length"),
 }
 DEFAULT_OUT_ROOT = "out"
 EXIT_BENCH_ERROR = 2

@@ -1,0 +1,332 @@
+"""``prefix-cache``: what prefix-aware routing and the KV tiers below the pool buy on real
+multi-turn traffic, and where loading a cached prefix stops paying against recomputing it.
+
+Part 1, the trace. From the Mooncake conversation trace, the first conversations with at
+least ``min_turns`` turns (a turn extends an earlier turn's block hashes: the history is its
+prefix) whose prompts all fit, in the trace's own arrival order, lengths scaled down and time
+compressed to a few replay durations (each a request rate). Each arm is a fresh server on the
+same two cores with a deliberately small pool per worker, so that a conversation's history is
+usually evicted before its next turn arrives:
+
+    arm                     routing         KV tiers below the pool
+    least-prefill           least-prefill   none
+    prefix-aware            prefix-aware    none
+    prefix-aware+tiers      prefix-aware    host (shared memory) + disk
+
+on two colocated workers (one core each) and, to show bytes moved prefill -> decode, on one
+prefill and one decode worker. Reported per arm and rate: goodput at the SLO, TTFT P50/P99,
+prompt tokens served from each tier (the server's per-request ``timing``), KV bytes P -> D.
+
+Part 2, the crossover. One worker (one core) with a pool that holds one prompt: a prefix of
+L tokens is computed once, pushed out of the pool by a filler, then requested again with a
+new suffix. Per L the TTFT when it is recomputed (no tier), loaded from the host tier and
+loaded from the disk tier (the rule pinned to load), and what the rule chose with the
+bandwidths the worker measured at start.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+from epdserve.bench import BenchError
+from epdserve.bench.experiments.launch import RunningServer, auth_headers, start_server, stop_server
+from epdserve.bench.experiments.prefix_cache_report import NAME, build_report, write_plots
+from epdserve.bench.experiments.report import begin, write_json, write_outputs
+from epdserve.bench.traces import TRACE_BLOCK_TOKENS, TraceRecord, read_trace
+from epdserve.envs import EPDSERVE_TRACES_DIR, get_traces_dir
+
+TRACE_FILE = "mooncake_conversation.jsonl"
+BLOCK_SIZE = 16  # the engine's default --block-size
+HTTP_TIMEOUT_S = 300.0
+PINNED_LOAD_GBPS = "1000"  # a read bandwidth so high that the rule always loads
+ARMS = {  # name -> (routing, with tiers)
+    "least-prefill": ("least-prefill", False),
+    "prefix-aware": ("prefix-aware", False),
+    "prefix-aware+tiers": ("prefix-aware", True),
+}
+TOPOLOGIES = {
+    "colocated=2": ["--colocated-workers", "2", "--cores-per-worker", "1"],
+    "prefill=1,decode=1": ["--prefill-workers", "1", "--decode-workers", "1", "--cores-per-worker", "1"],
+}
+# P/D with one prefill worker: routing has one candidate, so only tiers against none
+PD_ARMS = ("least-prefill", "prefix-aware+tiers")
+
+
+@dataclass(frozen=True)
+class Scale:
+    num_conversations: int
+    min_turns: int
+    max_input_len: int  # trace tokens, before length_scale
+    length_scale: float
+    durations_s: tuple[float, ...]  # the subset replayed over each of these (one rate each)
+    pd_duration_s: float  # P/D arms: one duration
+    slo_ttft_ms: float
+    slo_tpot_ms: float
+    num_kv_blocks: int  # per worker
+    host_tier_gib: float
+    disk_tier_gib: float
+    max_model_len: int
+    crossover_lengths: tuple[int, ...]  # prefix tokens
+    crossover_reps: int
+
+
+FULL = Scale(32, 4, 9600, 0.1, (240.0, 150.0, 110.0), 150.0, 1000.0, 100.0, 128, 0.25, 1.0, 2048,
+             (32, 64, 128, 256, 512, 1024, 1536), 3)
+QUICK = Scale(3, 4, 9600, 0.05, (20.0,), 20.0, 20000.0, 2000.0, 64, 0.1, 0.2, 1024, (32, 128), 1)
+
+
+# ---------------------------------------------------------------- part 1: the trace
+
+
+def conversations(records: list[TraceRecord]) -> list[list[int]]:
+    """Indices of ``records`` (sorted by arrival) grouped into conversations: a record joins
+    the conversation of the earlier record sharing the longest run of leading block hashes
+    (at least two: the trace's first block is one system prompt every request shares)."""
+    owner: dict[tuple[int, ...], int] = {}
+    groups: list[list[int]] = []
+    for i, record in enumerate(records):
+        h = record.hash_ids
+        found = next((owner[h[:n]] for n in range(len(h), 1, -1) if h[:n] in owner), None)
+        if found is None:
+            found = len(groups)
+            groups.append([])
+        groups[found].append(i)
+        for n in range(2, len(h) + 1):
+            owner.setdefault(h[:n], found)
+    return groups
+
+
+def conversation_subset(trace: Path, scale: Scale) -> list[TraceRecord]:
+    """The first ``num_conversations`` conversations with enough turns, every prompt at most
+    ``max_input_len`` tokens, in arrival order, timestamps from 0."""
+    records = read_trace(str(trace))
+    chosen = [g for g in conversations(records)
+              if len(g) >= scale.min_turns and all(records[i].input_length <= scale.max_input_len for i in g)]
+    if len(chosen) < scale.num_conversations:
+        raise BenchError(f"{trace}: only {len(chosen)} conversations with >= {scale.min_turns} turns fit")
+    picked = sorted(i for g in chosen[:scale.num_conversations] for i in g)
+    t0 = records[picked[0]].arrival_s
+    return [TraceRecord(records[i].arrival_s - t0, records[i].input_length, records[i].output_length,
+                        records[i].hash_ids) for i in picked]
+
+
+def write_subset(records: list[TraceRecord], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        for r in records:
+            f.write(json.dumps({"timestamp": round(r.arrival_s * 1000), "input_length": r.input_length,
+                                "output_length": r.output_length, "hash_ids": list(r.hash_ids)}) + "\n")
+
+
+def subset_stats(records: list[TraceRecord], scale: Scale) -> dict:
+    """What the workload offers: requests, scaled lengths, and the share of prompt tokens that
+    an earlier request already had (the ceiling of any prefix cache's hit rate)."""
+    block_len = max(1, round(TRACE_BLOCK_TOKENS * scale.length_scale))
+    seen: set[int] = set()
+    shared = total = 0
+    for r in records:
+        n = max(1, round(r.input_length * scale.length_scale))
+        prefix = 0
+        for h in r.hash_ids:
+            if h not in seen:
+                break
+            prefix += 1
+        shared += min(n, prefix * block_len) // BLOCK_SIZE * BLOCK_SIZE
+        total += n
+        seen.update(r.hash_ids)
+    return {"num_requests": len(records), "num_conversations": scale.num_conversations,
+            "span_s": records[-1].arrival_s, "prompt_tokens": total,
+            "mean_prompt_tokens": total / len(records),
+            "mean_output_tokens": float(np.mean([max(1, round(r.output_length * scale.length_scale))
+                                                 for r in records])),
+            "reusable_prompt_share": shared / total if total else 0.0}
+
+
+def serve_flags(topology: str, arm: str, scale: Scale, disk_dir: Path) -> list[str]:
+    routing, with_tiers = ARMS[arm]
+    flags = [*TOPOLOGIES[topology], "--routing", routing, "--num-kv-blocks", str(scale.num_kv_blocks),
+             "--max-model-len", str(scale.max_model_len)]
+    if with_tiers:
+        flags += ["--kv-host-tier-gib", f"{scale.host_tier_gib:g}", "--kv-disk-tier-gib", f"{scale.disk_tier_gib:g}",
+                  "--kv-disk-tier-dir", str(disk_dir)]
+    return flags
+
+
+def bench_cmd(server: RunningServer, subset: Path, time_scale: float, scale: Scale, out: Path) -> list[str]:
+    return [sys.executable, "-m", "epdserve.cli", "bench", "serve", "--base-url", server.url,
+            "--dataset", "trace", "--dataset-path", str(subset), "--trace-time-scale", f"{time_scale:.6g}",
+            "--trace-length-scale", f"{scale.length_scale:g}", "--ignore-eos", "--return-timing",
+            "--goodput", f"ttft:{scale.slo_ttft_ms:g}", f"tpot:{scale.slo_tpot_ms:g}",
+            "--result-json", str(out), "--disable-tqdm"]
+
+
+def run_bench(cmd: list[str], commands: list[str]) -> None:
+    shown = "epdserve " + " ".join(cmd[3:])
+    commands.append(shown)
+    print(f"$ {shown}", flush=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        lines = (proc.stderr.strip() or proc.stdout.strip() or "no output").splitlines()
+        raise BenchError(f"{shown} failed ({proc.returncode}): {lines[-1]}")
+
+
+def summarize_level(result: dict, duration_s: float) -> dict:
+    """One arm at one rate, from ``bench serve``'s result file."""
+    timings = [t for t in result.get("timings") or [] if t]
+    prompt = sum(result["input_lens"])
+    host = sum((t.get("kv_load") or {}).get("num_host_tokens", 0) for t in timings)
+    disk = sum((t.get("kv_load") or {}).get("num_disk_tokens", 0) for t in timings)
+    cached = sum(t.get("num_cached_tokens", 0) for t in timings)
+    ttfts = [v * 1e3 for v, err in zip(result["ttfts"], result["errors"]) if not err]
+    return {
+        "duration_s": duration_s,
+        "request_rate": result["num_prompts"] / duration_s,
+        "completed": result["completed"],
+        "failed": result["failed"],
+        "request_goodput": result["request_goodput"],
+        "request_throughput": result["request_throughput"],
+        "goodput_share": result["request_goodput"] / result["request_throughput"] if result["request_throughput"] else 0,
+        "ttft_p50_ms": float(np.percentile(ttfts, 50)) if ttfts else None,
+        "ttft_p99_ms": float(np.percentile(ttfts, 99)) if ttfts else None,
+        "tpot_p99_ms": result.get("p99_tpot_ms"),
+        "prompt_tokens": prompt,
+        "hit_share": {"pool": (cached - host - disk) / prompt, "host": host / prompt, "disk": disk / prompt},
+        "decode_cached_share": sum(t.get("num_decode_cached_tokens", 0) for t in timings) / prompt,
+        "kv_bytes_p_to_d": sum(t.get("kv_bytes", 0) for t in timings),
+        "kv_bytes_not_sent": sum(t.get("kv_bytes_skipped", 0) for t in timings),
+        "num_timings": len(timings),
+    }
+
+
+def run_trace_arm(topology: str, arm: str, durations: tuple[float, ...], subset: Path, span_s: float,
+                  scale: Scale, out_dir: Path, commands: list[str]) -> list[dict]:
+    """A fresh server per rate (a rate's cache must not warm the next), the trace replayed once."""
+    levels = []
+    for duration in durations:
+        tag = f"{topology}_{arm}_{duration:g}s".replace("=", "").replace(",", "_").replace("+", "_")
+        disk_dir = Path(tempfile.mkdtemp(prefix="kv-disk-", dir=out_dir))
+        server = start_server(serve_flags(topology, arm, scale, disk_dir), out_dir / "logs" / tag)
+        if not commands or commands[-1] != server.command:
+            commands.append(server.command)
+        result_path = out_dir / "runs" / f"{tag}.json"
+        result_path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            run_bench(bench_cmd(server, subset, duration / span_s, scale, result_path), commands)
+        finally:
+            stop_server(server)
+            shutil.rmtree(disk_dir, ignore_errors=True)
+        level = summarize_level(json.loads(result_path.read_text(encoding="utf-8")), duration)
+        print(f"{topology} {arm} {level['request_rate']:.2f} req/s: goodput {level['request_goodput']:.2f}, "
+              f"TTFT p50 {level['ttft_p50_ms']:.0f} p99 {level['ttft_p99_ms']:.0f} ms, hits "
+              + ", ".join(f"{k} {100 * v:.0f} %" for k, v in level["hit_share"].items()), flush=True)
+        levels.append(level)
+    return levels
+
+
+# ---------------------------------------------------------------- part 2: the crossover
+
+CROSSOVER_ARMS = {  # name -> tier flags (the disk directory is added)
+    "recompute": [],
+    "host, load": ["--kv-host-tier-gib", "0.5", "--kv-host-tier-read-gbps", PINNED_LOAD_GBPS],
+    "disk, load": ["--kv-disk-tier-gib", "1", "--kv-disk-tier-read-gbps", PINNED_LOAD_GBPS],
+    "host, rule": ["--kv-host-tier-gib", "0.5"],
+    "disk, rule": ["--kv-disk-tier-gib", "1"],
+}
+
+
+def token_prompt(seed: int, n: int) -> list[int]:
+    rng = np.random.default_rng(seed)
+    return rng.integers(1000, 40000, size=n).tolist()
+
+
+def model_name(server: RunningServer) -> str:
+    r = httpx.get(f"{server.url}/v1/models", headers=auth_headers(server), timeout=HTTP_TIMEOUT_S)
+    return r.json()["data"][0]["id"]
+
+
+def crossover_arm(name: str, scale: Scale, out_dir: Path, commands: list[str]) -> list[dict]:
+    longest = max(scale.crossover_lengths) + BLOCK_SIZE
+    num_blocks = -(-longest // BLOCK_SIZE) + 2  # the pool holds one prompt
+    disk_dir = Path(tempfile.mkdtemp(prefix="kv-disk-", dir=out_dir))
+    flags = ["--colocated-workers", "1", "--cores-per-worker", "1", "--num-kv-blocks", str(num_blocks),
+             "--max-model-len", str(max(scale.max_model_len, num_blocks * BLOCK_SIZE)), *CROSSOVER_ARMS[name]]
+    if "--kv-disk-tier-gib" in flags:
+        flags += ["--kv-disk-tier-dir", str(disk_dir)]
+    server = start_server(flags, out_dir / "logs" / ("crossover_" + name.replace(", ", "_")))
+    commands.append(server.command)
+    points = []
+    try:
+        model = model_name(server)
+        filler = token_prompt(999, num_blocks * BLOCK_SIZE - 2 * BLOCK_SIZE)
+        for length in scale.crossover_lengths:
+            prefix = token_prompt(length, length)
+            _request(server, model, prefix + token_prompt(length + 1, BLOCK_SIZE))  # computed, written down
+            for rep in range(scale.crossover_reps):
+                _request(server, model, filler)  # pushes the prefix out of the pool
+                ttft_ms, timing = _request(server, model, prefix + token_prompt(length + 2 + rep, BLOCK_SIZE))
+                load = timing.get("kv_load") or {}
+                points.append({"prefix_tokens": length, "rep": rep, "ttft_ms": ttft_ms,
+                               "prefill_ms": timing.get("prefill_ms"),
+                               "num_cached_tokens": timing.get("num_cached_tokens", 0),
+                               "num_found_tokens": load.get("num_found_tokens", 0),
+                               "num_chosen_tokens": load.get("num_chosen_tokens", 0),
+                               "num_host_tokens": load.get("num_host_tokens", 0),
+                               "num_disk_tokens": load.get("num_disk_tokens", 0),
+                               "predicted_load_ms": 1e3 * load.get("predicted_load_s", 0.0),
+                               "predicted_compute_ms": 1e3 * load.get("predicted_compute_s", 0.0),
+                               "read_ms": 1e3 * load.get("read_s", 0.0)})
+    finally:
+        stop_server(server)
+        shutil.rmtree(disk_dir, ignore_errors=True)
+    return points
+
+
+def _request(server: RunningServer, model: str, prompt: list[int]) -> tuple[float, dict]:
+    body = {"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0, "return_timing": True}
+    start = time.perf_counter()
+    r = httpx.post(f"{server.url}/v1/completions", json=body, headers=auth_headers(server), timeout=HTTP_TIMEOUT_S)
+    elapsed_ms = (time.perf_counter() - start) * 1e3
+    if r.status_code != 200:
+        raise BenchError(f"crossover request failed ({r.status_code}): {r.text[:200]}")
+    return elapsed_ms, r.json().get("timing") or {}
+
+
+# ---------------------------------------------------------------- the experiment
+
+
+def run(out_dir: Path, quick: bool) -> str:
+    experiment = begin(NAME, out_dir, quick)
+    scale = QUICK if quick else FULL
+    out_dir.mkdir(parents=True, exist_ok=True)
+    trace = get_traces_dir() / TRACE_FILE
+    if not trace.is_file():
+        raise BenchError(f"the Mooncake conversation trace is not at {trace} (set ${EPDSERVE_TRACES_DIR})")
+    records = conversation_subset(trace, scale)
+    subset = out_dir / "mooncake_conversation_subset.jsonl"
+    write_subset(records, subset)
+    stats = subset_stats(records, scale)
+    commands: list[str] = []
+    trace_results: dict[str, dict[str, list[dict]]] = {}
+    for topology in TOPOLOGIES:
+        arms = ARMS if topology == "colocated=2" else PD_ARMS
+        durations = scale.durations_s if topology == "colocated=2" else (scale.pd_duration_s,)
+        trace_results[topology] = {arm: run_trace_arm(topology, arm, durations, subset, stats["span_s"], scale,
+                                                      out_dir, commands) for arm in arms}
+    crossover = {name: crossover_arm(name, scale, out_dir, commands) for name in CROSSOVER_ARMS}
+    results = {"scale": asdict(scale), "workload": stats, "trace": trace_results, "crossover": crossover,
+               "commands": commands}
+    write_json(out_dir / "results.json", results)
+    plots = write_plots(results, out_dir)
+    report = build_report(results, experiment, [p.name for p in plots])
+    write_outputs(out_dir, results, report)
+    return report

@@ -1,0 +1,174 @@
+"""``prefix-cache`` report: per topology, arm and rate the goodput, TTFT and where prompt tokens
+came from; the goals against least-prefill without tiers; the reload/recompute crossover."""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+from epdserve.bench.experiments.report import ExperimentRun, markdown_table, pyplot, save_figure, verdict
+
+NAME = "prefix-cache"
+BASELINE, BEST = "least-prefill", "prefix-aware+tiers"
+GOAL_GOODPUT_RATIO = 1.5
+GOAL_TTFT_P99_CUT = 0.30
+
+
+def pct(share: float) -> str:
+    return f"{100 * share:.0f} %"
+
+
+def trace_rows(levels_by_arm: dict[str, list[dict]]) -> list[list]:
+    rows = []
+    for arm, levels in levels_by_arm.items():
+        for lv in levels:
+            hits = lv["hit_share"]
+            rows.append([arm, lv["request_rate"], lv["request_goodput"], pct(lv["goodput_share"]),
+                         lv["ttft_p50_ms"], lv["ttft_p99_ms"], lv["tpot_p99_ms"], pct(hits["pool"]),
+                         pct(hits["host"]), pct(hits["disk"]), lv["failed"]])
+    return rows
+
+
+def pd_rows(levels_by_arm: dict[str, list[dict]]) -> list[list]:
+    return [[arm, lv["request_rate"], lv["request_goodput"], lv["ttft_p50_ms"], lv["ttft_p99_ms"],
+             pct(lv["hit_share"]["pool"]), pct(lv["hit_share"]["host"] + lv["hit_share"]["disk"]),
+             pct(lv["decode_cached_share"]), f"{lv['kv_bytes_p_to_d'] / 2**20:.0f}",
+             f"{lv['kv_bytes_not_sent'] / 2**20:.0f}"]
+            for arm, levels in levels_by_arm.items() for lv in levels]
+
+
+def goals(levels_by_arm: dict[str, list[dict]]) -> list[dict]:
+    """Per rate: goodput ratio and TTFT P99 cut of the best arm against the baseline."""
+    out = []
+    for base, best in zip(levels_by_arm.get(BASELINE, []), levels_by_arm.get(BEST, [])):
+        ratio = best["request_goodput"] / base["request_goodput"] if base["request_goodput"] else None
+        cut = (1 - best["ttft_p99_ms"] / base["ttft_p99_ms"]) if base["ttft_p99_ms"] and best["ttft_p99_ms"] else None
+        out.append({"request_rate": base["request_rate"], "goodput_ratio": ratio, "ttft_p99_cut": cut,
+                    "is_goodput_met": ratio is not None and ratio >= GOAL_GOODPUT_RATIO,
+                    "is_ttft_met": cut is not None and cut >= GOAL_TTFT_P99_CUT})
+    return out
+
+
+def crossover_table(crossover: dict[str, list[dict]]) -> tuple[list[str], list[list]]:
+    """Median TTFT per prefix length per arm, and the rule's choice per tier."""
+    lengths = sorted({p["prefix_tokens"] for points in crossover.values() for p in points})
+    headers = ["prefix tokens", *[f"{name} TTFT (ms)" for name in crossover if "rule" not in name],
+               *[f"{name}: choice (predicted load / compute ms)" for name in crossover if "rule" in name]]
+    rows = []
+    for length in lengths:
+        row: list = [length]
+        for name, points in crossover.items():
+            at = [p for p in points if p["prefix_tokens"] == length]
+            if "rule" not in name:
+                row.append(statistics.median(p["ttft_ms"] for p in at) if at else None)
+            elif at:
+                p = at[-1]
+                choice = "load" if p["num_chosen_tokens"] else ("recompute" if p["num_found_tokens"] else "miss")
+                row.append(f"{choice} ({p['predicted_load_ms']:.1f} / {p['predicted_compute_ms']:.1f})")
+            else:
+                row.append(None)
+        rows.append(row)
+    return headers, rows
+
+
+def build_report(results: dict, run: ExperimentRun, plot_names: list[str]) -> str:
+    scale, work = results["scale"], results["workload"]
+    colocated = results["trace"].get("colocated=2", {})
+    pd = results["trace"].get("prefill=1,decode=1", {})
+    goal_rows = goals(colocated)
+    headers, rows = crossover_table(results["crossover"])
+    lines = [
+        f"# {NAME}",
+        "",
+        (f"Workload: the first {work['num_conversations']} conversations of the Mooncake conversation trace with "
+         f"≥ {scale['min_turns']} turns and every prompt ≤ {scale['max_input_len']} trace tokens: "
+         f"{work['num_requests']} requests in the trace's arrival order, lengths × {scale['length_scale']:g} "
+         f"(mean prompt {work['mean_prompt_tokens']:.0f}, output {work['mean_output_tokens']:.0f} tokens), "
+         f"the trace's {work['span_s']:.0f} s compressed to each replay duration (the rate). "
+         f"{pct(work['reusable_prompt_share'])} of prompt tokens repeat an earlier request's prefix (the ceiling "
+         f"of any cache's hit rate). Pool: {scale['num_kv_blocks']} blocks of 16 tokens per worker (a few "
+         f"conversations); tiers: host {scale['host_tier_gib']:g} GiB (shared memory, both workers), disk "
+         f"{scale['disk_tier_gib']:g} GiB. SLO per request: TTFT ≤ {scale['slo_ttft_ms']:g} ms and TPOT ≤ "
+         f"{scale['slo_tpot_ms']:g} ms; goodput = requests/s within it. A fresh server per arm and rate."),
+        "",
+        *run.header_lines(),
+        "",
+        "## Two colocated workers (one core each)",
+        "",
+        markdown_table(["arm", "rate (req/s)", "goodput (req/s)", "within SLO", "TTFT P50 (ms)", "TTFT P99 (ms)",
+                        "TPOT P99 (ms)", "prompt from pool", "from host tier", "from disk tier", "failed"],
+                       trace_rows(colocated)),
+        "",
+        f"Goals (prefix-aware with tiers against least-prefill without, same rate): goodput ≥ "
+        f"{GOAL_GOODPUT_RATIO:g}×, TTFT P99 ≥ {100 * GOAL_TTFT_P99_CUT:.0f} % lower.",
+        "",
+        markdown_table(["rate (req/s)", "goodput ratio", "TTFT P99 cut", "goodput goal", "TTFT goal"],
+                       [[g["request_rate"], g["goodput_ratio"],
+                         None if g["ttft_p99_cut"] is None else pct(g["ttft_p99_cut"]),
+                         verdict(g["is_goodput_met"]), verdict(g["is_ttft_met"])] for g in goal_rows]),
+        "",
+        "## One prefill and one decode worker (one core each)",
+        "",
+        markdown_table(["arm", "rate (req/s)", "goodput (req/s)", "TTFT P50 (ms)", "TTFT P99 (ms)",
+                        "prefill: from pool", "prefill: from tiers", "decode held", "KV P→D (MiB)",
+                        "KV not sent (MiB)"], pd_rows(pd)),
+        "",
+        "## Reload or recompute",
+        "",
+        ("One worker, one core, a pool that holds one prompt: a prefix computed once, pushed out of the pool, "
+         "requested again with a new 16-token suffix (one output token; TTFT measured by the client, median of "
+         f"{scale['crossover_reps']}). *load* arms pin the rule to load; *rule* arms use the read bandwidth the "
+         "worker measured at start and show what the rule chose, with its two predictions."),
+        "",
+        markdown_table(headers, rows),
+        "",
+        *[f"![{name}]({name})" for name in plot_names],
+        "",
+        "Commands:",
+        "",
+        *[f"- `{c}`" for c in results.get("commands", [])],
+        "",
+    ]
+    results["goals"] = goal_rows
+    return "\n".join(lines)
+
+
+def write_plots(results: dict, out_dir: Path) -> list[Path]:
+    plt = pyplot()
+    paths = []
+    colocated = results["trace"].get("colocated=2", {})
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
+    for arm, levels in colocated.items():
+        rates = [lv["request_rate"] for lv in levels]
+        ax1.plot(rates, [lv["request_goodput"] for lv in levels], marker="o", label=arm)
+        ax2.plot(rates, [lv["ttft_p99_ms"] or 0 for lv in levels], marker="o", label=arm)
+    ax1.set_xlabel("request rate (req/s)")
+    ax1.set_ylabel("goodput (req/s)")
+    ax2.set_xlabel("request rate (req/s)")
+    ax2.set_ylabel("TTFT P99 (ms)")
+    ax2.set_yscale("log")
+    ax1.legend()
+    ax1.set_title("Mooncake conversations, colocated=2")
+    paths.append(save_figure(fig, out_dir / "trace_goodput_ttft.png"))
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    for name, points in results["crossover"].items():
+        lengths = sorted({p["prefix_tokens"] for p in points})
+        medians = [statistics.median(p["ttft_ms"] for p in points if p["prefix_tokens"] == n) for n in lengths]
+        if "rule" not in name:
+            ax.plot(lengths, medians, marker="o", label=name)
+            continue
+        last = {p["prefix_tokens"]: p for p in points}
+        loads = [(n, m) for n, m in zip(lengths, medians) if last[n]["num_chosen_tokens"]]
+        computes = [(n, m) for n, m in zip(lengths, medians) if not last[n]["num_chosen_tokens"]]
+        if loads:
+            ax.scatter(*zip(*loads), marker="^", s=70, facecolors="none", edgecolors="k",
+                       label=f"{name}: chose load")
+        if computes:
+            ax.scatter(*zip(*computes), marker="x", s=70, color="k", label=f"{name}: chose recompute")
+    ax.set_xlabel("cached prefix (tokens)")
+    ax.set_ylabel("TTFT (ms)")
+    ax.set_title("reload or recompute, one core")
+    ax.legend(fontsize=8)
+    paths.append(save_figure(fig, out_dir / "reload_vs_recompute.png"))
+    return paths
