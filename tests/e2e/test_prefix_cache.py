@@ -184,6 +184,8 @@ def test_evicted_prefix_is_reloaded_from_host_then_disk_and_a_corrupt_block_is_a
             # The rule chose to load blocks from disk; the first failed its check: none loaded.
             assert load["num_chosen_tokens"] > load["num_host_tokens"] and load["num_disk_tokens"] == 0, load
             assert metric(server, "epdserve_prefix_cache_hit_tokens_total") > 0
+            assert metric(server, 'epdserve_kv_tier_tokens_total{kind="host"}') > 0
+            assert metric(server, 'epdserve_kv_tier_tokens_total{kind="disk"}') > 0
             server.wait_all_blocks_free()
         finally:
             stop_server(server)

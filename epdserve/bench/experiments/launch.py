@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 import selectors
+import shlex
 import signal
 import subprocess
 import sys
@@ -169,3 +170,18 @@ def metric_value(server: RunningServer, name: str) -> float:
     text = httpx.get(f"{server.url}/metrics", headers=auth_headers(server), timeout=HTTP_TIMEOUT_S).text
     return sum(float(line.split()[-1]) for line in text.splitlines()
                if line.startswith(name + " ") or line.startswith(name + "{"))
+
+
+def epdserve_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "epdserve.cli", *args]
+
+
+def run_command(cmd: list[str], commands: list[str]) -> None:
+    """Run an ``epdserve`` command, note it for the report; BenchError with its last output line on failure."""
+    shown = "epdserve " + shlex.join(cmd[3:])
+    commands.append(shown)
+    print(f"$ {shown}", flush=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        lines = (proc.stderr.strip() or proc.stdout.strip() or "no output").splitlines()
+        raise BenchError(f"{shown} failed ({proc.returncode}): {lines[-1]}")

@@ -28,8 +28,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -39,9 +37,16 @@ import httpx
 import numpy as np
 
 from epdserve.bench import BenchError
-from epdserve.bench.experiments.launch import RunningServer, auth_headers, start_server, stop_server
-from epdserve.bench.experiments.prefix_cache_report import NAME, build_report, write_plots
-from epdserve.bench.experiments.report import begin, write_json, write_outputs
+from epdserve.bench.experiments.launch import (
+    RunningServer,
+    auth_headers,
+    epdserve_cmd,
+    run_command,
+    start_server,
+    stop_server,
+)
+from epdserve.bench.experiments.prefix_cache_report import NAME, build_report, goals, write_plots
+from epdserve.bench.experiments.report import begin, write_outputs
 from epdserve.bench.traces import TRACE_BLOCK_TOKENS, TraceRecord, read_trace
 from epdserve.envs import EPDSERVE_TRACES_DIR, get_traces_dir
 
@@ -163,21 +168,11 @@ def serve_flags(topology: str, arm: str, scale: Scale, disk_dir: Path) -> list[s
 
 
 def bench_cmd(server: RunningServer, subset: Path, time_scale: float, scale: Scale, out: Path) -> list[str]:
-    return [sys.executable, "-m", "epdserve.cli", "bench", "serve", "--base-url", server.url,
+    return epdserve_cmd("bench", "serve", "--base-url", server.url,
             "--dataset", "trace", "--dataset-path", str(subset), "--trace-time-scale", f"{time_scale:.6g}",
             "--trace-length-scale", f"{scale.length_scale:g}", "--ignore-eos", "--return-timing",
             "--goodput", f"ttft:{scale.slo_ttft_ms:g}", f"tpot:{scale.slo_tpot_ms:g}",
-            "--result-json", str(out), "--disable-tqdm"]
-
-
-def run_bench(cmd: list[str], commands: list[str]) -> None:
-    shown = "epdserve " + " ".join(cmd[3:])
-    commands.append(shown)
-    print(f"$ {shown}", flush=True)
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    if proc.returncode != 0:
-        lines = (proc.stderr.strip() or proc.stdout.strip() or "no output").splitlines()
-        raise BenchError(f"{shown} failed ({proc.returncode}): {lines[-1]}")
+            "--result-json", str(out), "--disable-tqdm")
 
 
 def summarize_level(result: dict, duration_s: float) -> dict:
@@ -216,12 +211,11 @@ def run_trace_arm(topology: str, arm: str, durations: tuple[float, ...], subset:
         tag = f"{topology}_{arm}_{duration:g}s".replace("=", "").replace(",", "_").replace("+", "_")
         disk_dir = Path(tempfile.mkdtemp(prefix="kv-disk-", dir=out_dir))
         server = start_server(serve_flags(topology, arm, scale, disk_dir), out_dir / "logs" / tag)
-        if not commands or commands[-1] != server.command:
-            commands.append(server.command)
+        commands.append(server.command)
         result_path = out_dir / "runs" / f"{tag}.json"
         result_path.parent.mkdir(parents=True, exist_ok=True)
         try:
-            run_bench(bench_cmd(server, subset, duration / span_s, scale, result_path), commands)
+            run_command(bench_cmd(server, subset, duration / span_s, scale, result_path), commands)
         finally:
             stop_server(server)
             shutil.rmtree(disk_dir, ignore_errors=True)
@@ -323,9 +317,8 @@ def run(out_dir: Path, quick: bool) -> str:
         trace_results[topology] = {arm: run_trace_arm(topology, arm, durations, subset, stats["span_s"], scale,
                                                       out_dir, commands) for arm in arms}
     crossover = {name: crossover_arm(name, scale, out_dir, commands) for name in CROSSOVER_ARMS}
-    results = {"scale": asdict(scale), "workload": stats, "trace": trace_results, "crossover": crossover,
-               "commands": commands}
-    write_json(out_dir / "results.json", results)
+    results = {"scale": asdict(scale), "workload": stats, "trace": trace_results,
+               "goals": goals(trace_results.get("colocated=2", {})), "crossover": crossover, "commands": commands}
     plots = write_plots(results, out_dir)
     report = build_report(results, experiment, [p.name for p in plots])
     write_outputs(out_dir, results, report)

@@ -75,7 +75,7 @@ def build_report(results: dict, run: ExperimentRun, plot_names: list[str]) -> st
     scale, work = results["scale"], results["workload"]
     colocated = results["trace"].get("colocated=2", {})
     pd = results["trace"].get("prefill=1,decode=1", {})
-    goal_rows = goals(colocated)
+    goal_rows = results["goals"]
     headers, rows = crossover_table(results["crossover"])
     lines = [
         f"# {NAME}",
@@ -129,7 +129,6 @@ def build_report(results: dict, run: ExperimentRun, plot_names: list[str]) -> st
         *[f"- `{c}`" for c in results.get("commands", [])],
         "",
     ]
-    results["goals"] = goal_rows
     return "\n".join(lines)
 
 

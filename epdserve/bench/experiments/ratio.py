@@ -20,14 +20,10 @@
 from __future__ import annotations
 
 import json
-import shlex
-import subprocess
-import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from epdserve.bench import BenchError
-from epdserve.bench.experiments.launch import start_server, stop_server
+from epdserve.bench.experiments.launch import epdserve_cmd, run_command, start_server, stop_server
 from epdserve.bench.experiments.ratio_report import NAME, build_report, write_plot
 from epdserve.bench.experiments.report import begin, write_outputs
 
@@ -59,21 +55,6 @@ class Scale:
 
 FULL = Scale(100, 256, 96, 0.25, 1000.0, 80.0, (0.5, 0.7, 0.85, 1.0, 1.15, 1.35), 1.0, 1024, False, 100)
 QUICK = Scale(4, 32, 8, 0.25, 5000.0, 500.0, (0.5, 1.0), 0.1, 256, True, 10)
-
-
-def epdserve_cmd(*args: str) -> list[str]:
-    return [sys.executable, "-m", "epdserve.cli", *args]
-
-
-def run_command(cmd: list[str], commands: list[str]) -> None:
-    """Run an ``epdserve`` command, note it for the report; BenchError with its last output line on failure."""
-    shown = "epdserve " + shlex.join(cmd[3:])
-    commands.append(shown)
-    print(f"$ {shown}", flush=True)
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    if proc.returncode != 0:
-        lines = (proc.stderr.strip() or proc.stdout.strip() or "no output").splitlines()
-        raise BenchError(f"{shown} failed ({proc.returncode}): {lines[-1]}")
 
 
 def engine_flags(scale: Scale) -> list[str]:

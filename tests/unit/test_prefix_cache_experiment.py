@@ -1,0 +1,80 @@
+"""The prefix-cache experiment's workload and summaries, without servers: conversations are
+recovered from a trace's block hashes, the reusable share is counted per 16-token block, and
+one bench result becomes per-tier hit shares and the goals against the baseline."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from epdserve.bench import BenchError
+from epdserve.bench.experiments.prefix_cache import (
+    FULL,
+    Scale,
+    conversation_subset,
+    conversations,
+    subset_stats,
+    summarize_level,
+)
+from epdserve.bench.experiments.prefix_cache_report import crossover_table, goals
+from epdserve.bench.traces import TraceRecord
+
+
+def record(t: float, hashes: tuple[int, ...], n: int = 1024) -> TraceRecord:
+    return TraceRecord(t, n, 100, hashes)
+
+
+def test_turns_join_the_conversation_whose_history_they_extend():
+    records = [record(0, (0, 1, 2)), record(1, (0, 7)), record(2, (0, 1, 2, 3)), record(3, (0, 1, 9)),
+               record(4, (0, 7, 8)), record(5, (0, 5))]
+    # (0,) is the system prompt every request shares: it does not make a conversation
+    assert conversations(records) == [[0, 2, 3], [1, 4], [5]]
+
+
+def test_subset_keeps_conversations_with_enough_turns_that_fit(tmp_path):
+    path = tmp_path / "trace.jsonl"
+    rows = [(0, [0, 1], 500), (10, [0, 2], 500), (20, [0, 1, 3], 500), (30, [0, 2, 4], 99999),
+            (40, [0, 1, 3, 5], 700)]
+    path.write_text("".join(json.dumps({"timestamp": t * 1000 + 5000, "input_length": n, "output_length": 10,
+                                        "hash_ids": h}) + "\n" for t, h, n in rows))
+    scale = Scale(1, 3, 9600, 0.1, (10.0,), 10.0, 1.0, 1.0, 8, 0.1, 0.1, 256, (32,), 1)
+    subset = conversation_subset(path, scale)
+    assert [r.hash_ids for r in subset] == [(0, 1), (0, 1, 3), (0, 1, 3, 5)]
+    assert [r.arrival_s for r in subset] == [0.0, 20.0, 40.0]  # from the first chosen request
+    with pytest.raises(BenchError, match="only 1 conversations"):
+        conversation_subset(path, Scale(2, *list(vars(scale).values())[1:]))
+
+
+def test_reusable_share_counts_whole_blocks_of_a_repeated_prefix():
+    # scale 0.1: a trace block is 51 tokens; prompts of 102 tokens
+    records = [record(0, (0, 1)), record(1, (0, 1)), record(2, (0, 2))]
+    stats = subset_stats([TraceRecord(r.arrival_s, 1020, 100, r.hash_ids) for r in records], FULL)
+    # second request: 102 shared tokens -> 96 in whole blocks; third: 51 -> 48
+    assert stats["reusable_prompt_share"] == pytest.approx((96 + 48) / 306)
+    assert stats["num_requests"] == 3 and stats["mean_prompt_tokens"] == 102
+
+
+def test_summarize_level_splits_cached_tokens_by_tier_and_goals_compare_arms():
+    result = {"num_prompts": 2, "completed": 2, "failed": 0, "request_goodput": 0.5, "request_throughput": 1.0,
+              "input_lens": [100, 100], "ttfts": [0.1, 0.3], "errors": ["", ""], "p99_tpot_ms": 20.0,
+              "timings": [{"num_cached_tokens": 64, "kv_load": {"num_host_tokens": 32, "num_disk_tokens": 16},
+                           "kv_bytes": 1000, "kv_bytes_skipped": 200, "num_decode_cached_tokens": 10},
+                          {"num_cached_tokens": 16}]}
+    level = summarize_level(result, duration_s=4.0)
+    assert level["request_rate"] == 0.5 and level["goodput_share"] == 0.5
+    assert level["hit_share"] == {"pool": 0.16, "host": 0.16, "disk": 0.08}
+    assert level["kv_bytes_p_to_d"] == 1000 and level["kv_bytes_not_sent"] == 200
+    assert level["decode_cached_share"] == 0.05
+    better = {**level, "request_goodput": 0.8, "ttft_p99_ms": level["ttft_p99_ms"] / 2}
+    [row] = goals({"least-prefill": [level], "prefix-aware+tiers": [better]})
+    assert row["goodput_ratio"] == pytest.approx(1.6) and row["is_goodput_met"]
+    assert row["ttft_p99_cut"] == pytest.approx(0.5) and row["is_ttft_met"]
+
+
+def test_crossover_table_marks_the_rules_choice():
+    point = {"prefix_tokens": 64, "ttft_ms": 10.0, "num_chosen_tokens": 0, "num_found_tokens": 64,
+             "predicted_load_ms": 9.0, "predicted_compute_ms": 5.0}
+    headers, rows = crossover_table({"recompute": [point], "host, rule": [point]})
+    assert headers[1] == "recompute TTFT (ms)"
+    assert rows == [[64, 10.0, "recompute (9.0 / 5.0)"]]
