@@ -26,6 +26,7 @@ class RouterConfig:
     max_waiting_per_worker: int = DEFAULT_MAX_WAITING_PER_WORKER  # queued at one worker; beyond: 429
     encode_pipelined: bool = True  # prefill may start before all of a request's images are encoded
     routing: str = DEFAULT_ROUTING  # WorkerRegistry.pick's policy (checked there)
+    routing_ttft_slo_s: float | None = None  # prefix-aware: the TTFT SLO it routes for (checked there)
 
     def __post_init__(self) -> None:
         if self.transfer_policy not in TRANSFER_POLICIES:

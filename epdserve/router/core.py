@@ -43,7 +43,7 @@ class Router:
         """``key``: the cluster secret workers prove (epdserve/auth.py); ``host``/``port``: where
         the worker socket binds."""
         self.config = config or RouterConfig()
-        self.registry = WorkerRegistry(self.config.routing)
+        self.registry = WorkerRegistry(self.config.routing, self.config.routing_ttft_slo_s)
         self.metrics = RouterMetrics()
         self.gc_observer = GCPauseObserver(self.metrics.observe_gc_pause)
         self.channel = WorkerChannel(key, host, port)

@@ -221,18 +221,24 @@ def score(index: PrefixIndex, candidate: Candidate, block_hashes: Sequence[bytes
 
 
 def choose(scores: Sequence[Score], ttft_slo_s: float | None = None) -> Score | None:
-    """Among the scores predicted to meet ``ttft_slo_s`` (predicted TTFT <= SLO) when it is
-    given and some do, else among all: the smallest predicted TTFT; ties go to the first (the
-    caller lists candidates least loaded first). None for no scores.
+    """The candidate to route to.
 
-    The fastest candidate meets the SLO whenever any does, so the filter cannot change which
-    score is smallest: the SLO is checked here and kept in the signature for a ranking of the
-    candidates that meet it by something other than predicted TTFT (load, say).
+    With a TTFT SLO (``ttft_slo_s``) that some candidates are predicted to meet (predicted
+    TTFT <= SLO): among those, the one that computes the fewest prompt tokens, then the
+    smallest predicted TTFT. The request's slack goes to cache affinity: a worker holding the
+    prefix takes it while its queue still lets it meet the SLO, and the tokens it need not
+    compute stay free for other requests. Otherwise (no SLO, or none meets it): the smallest
+    predicted TTFT. Ties go to the first (the caller lists candidates least loaded first).
+    None for no scores.
     """
     if ttft_slo_s is not None and not ttft_slo_s >= 0:
         raise ValueError(f"ttft_slo_s must be >= 0, got {ttft_slo_s!r}")
-    best = None
+    fastest = best = None
     for s in scores:
-        if best is None or s.predicted_ttft_s < best.predicted_ttft_s:
+        if fastest is None or s.predicted_ttft_s < fastest.predicted_ttft_s:
+            fastest = s
+        if ttft_slo_s is not None and s.predicted_ttft_s <= ttft_slo_s and (
+                best is None or (s.num_compute_tokens, s.predicted_ttft_s)
+                < (best.num_compute_tokens, best.predicted_ttft_s)):
             best = s
-    return best
+    return best if best is not None else fastest

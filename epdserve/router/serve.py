@@ -60,7 +60,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                    help="decode workers: seconds a KV reservation waits for its KV before it expires")
     g.add_argument("--routing", choices=ROUTING_POLICIES, default=DEFAULT_ROUTING,
                    help="pick the worker with the fewest prompt tokens still to prefill (then fewest requests), "
-                        "or by requests in hand alone")
+                        "by requests in hand alone, or by predicted time to first token from the KV blocks "
+                        "each worker holds (prefix-aware)")
+    g.add_argument("--routing-ttft-slo", type=float, default=None, metavar="SECONDS",
+                   help="prefix-aware: among workers predicted to meet this TTFT, take the one that computes "
+                        "the fewest prompt tokens (default: the fastest predicted)")
     g.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every path but /health (default: $EPDSERVE_API_KEY, "
                         "which keeps the key out of process listings)")
@@ -214,7 +218,7 @@ async def serve(ns: argparse.Namespace) -> int:
     threading.Thread(target=served.grammar_tokenizer, name="grammar-tokenizer", daemon=True).start()
     config = RouterConfig(transfer_timeout_s=ns.transfer_timeout, transfer_policy=ns.transfer_policy,
                           max_pending=ns.max_pending, encode_pipelined=not ns.no_encode_pipeline,
-                          routing=ns.routing, heartbeat_timeout_s=ns.worker_lease,
+                          routing=ns.routing, routing_ttft_slo_s=ns.routing_ttft_slo, heartbeat_timeout_s=ns.worker_lease,
                           step_timeout_s=ns.step_timeout, first_token_timeout_s=ns.first_token_timeout)
     router = Router(key, config, host=router_host, port=ns.router_port)
     await router.start()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from enum import Enum
@@ -159,11 +160,16 @@ class PromptBlocks:
 
 
 class WorkerRegistry:
-    def __init__(self, routing: str = DEFAULT_ROUTING) -> None:
+    def __init__(self, routing: str = DEFAULT_ROUTING, ttft_slo_s: float | None = None) -> None:
+        """``ttft_slo_s``: prefix-aware routing's TTFT SLO for requests that name none
+        (``prefix_index.choose``); None: the fastest predicted worker."""
         if routing not in ROUTING_POLICIES:
             raise ConfigError(f"routing must be one of {', '.join(ROUTING_POLICIES)}, got {routing!r}")
+        if ttft_slo_s is not None and not (ttft_slo_s > 0 and math.isfinite(ttft_slo_s)):
+            raise ConfigError(f"the routing TTFT SLO must be a finite number of seconds > 0, got {ttft_slo_s!r}")
         self.workers: dict[str, WorkerInfo] = {}
         self.routing = routing
+        self.ttft_slo_s = ttft_slo_s
         self.prefix_index = PrefixIndex()  # which worker holds which blocks (KV events)
 
     def add(self, info: WorkerInfo) -> None:
@@ -207,8 +213,9 @@ class WorkerRegistry:
     def pick_by_prefix(self, role: str, prompt: PromptBlocks) -> WorkerInfo | None:
         """``prefix-aware``: the ready worker of ``role`` with the smallest predicted time to
         first token (``prefix_index.score``: prefill queued ahead, loads the reload rule
-        takes, compute of the rest), among those meeting the request's TTFT SLO when any
-        does; equals go to the least loaded (``pick_least_loaded``'s order).
+        takes, compute of the rest); with a TTFT SLO (the request's, else the registry's) that
+        some meet, the one of those computing the fewest prompt tokens (``choose``); equals go
+        to the least loaded (``pick_least_loaded``'s order).
 
         A decode worker computes no prompt: it takes the one holding the most of the prompt's
         blocks in its pool (the fewest bytes to send), among those with at most
@@ -234,7 +241,7 @@ class WorkerRegistry:
             queued_s = cost.per_prefill_token_s * w.num_prefill_tokens
             scores.append(score(index, Candidate(w.worker_id, queued_s), prompt.hashes(cost.block_size),
                                 prompt.num_tokens, cost))
-        chosen = choose(scores, prompt.ttft_slo_s)
+        chosen = choose(scores, prompt.ttft_slo_s if prompt.ttft_slo_s is not None else self.ttft_slo_s)
         return self.workers[chosen.worker_id]
 
     def pick_least_loaded(self, role: str) -> WorkerInfo | None:

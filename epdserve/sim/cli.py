@@ -47,6 +47,8 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
     c.add_argument("--max-pending", type=int, default=None, help="router: requests at once (default: the router's 512)")
     c.add_argument("--routing", choices=ROUTING_POLICIES, default=DEFAULT_ROUTING,
                    help="router: the routing policy (as epdserve serve --routing)")
+    c.add_argument("--routing-ttft-slo", type=float, default=None, metavar="SECONDS",
+                   help="router: prefix-aware routing's TTFT SLO (as epdserve serve --routing-ttft-slo)")
     c.add_argument("--max-waiting-per-worker", type=int, default=None, help="router: queued per worker (default 256)")
     c.add_argument("--heartbeat-s", type=float, default=0.2, help="load reports reach the router this often")
     c.add_argument("--no-fast-forward", action="store_true", help="step every decode step (slower, same result)")
@@ -138,6 +140,7 @@ def sim_config_kwargs(ns: argparse.Namespace) -> dict:
         "is_fast_forward": not ns.no_fast_forward,
         "instances_per_host": ns.instances_per_host,
         "routing": ns.routing,
+        "routing_ttft_slo_s": ns.routing_ttft_slo,
     }
 
 

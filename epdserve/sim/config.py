@@ -29,6 +29,7 @@ class SimConfig:
     # per host; a role's ``neighbour_step`` applies to the others on its host.
     instances_per_host: int = 1
     routing: str = DEFAULT_ROUTING  # the router's policy (WorkerRegistry.pick, which checks it)
+    routing_ttft_slo_s: float | None = None  # prefix-aware's TTFT SLO (as serve --routing-ttft-slo)
 
     def __post_init__(self) -> None:
         checks = [

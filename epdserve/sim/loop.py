@@ -55,7 +55,7 @@ class SimLoop:
         lengths = workload.input_lens + workload.output_lens + self.num_image_tokens
         self.max_model_len = config.max_model_len or max(2, int(lengths.max()))
         self.instances: list[StepInstance | EncodeInstance] = []
-        self.registry = WorkerRegistry(config.routing)
+        self.registry = WorkerRegistry(config.routing, config.routing_ttft_slo_s)
         # prefix-aware routing: instances report the blocks they cache and evict (KV events)
         self.is_prefix_aware = config.routing == "prefix-aware"
         self.by_worker_id: dict[str, StepInstance | EncodeInstance] = {}

@@ -355,18 +355,32 @@ def test_choose_with_an_slo():
     scores = scored(0.5, 0.2, 0.3)
     assert choose(scores, 0.25).worker_id == "w1"  # w1 alone meets it
     assert choose(scores, 0.1).worker_id == "w1"  # none meets it: the filter is not applied
-    assert choose(scores, 1.0).worker_id == "w1"  # all meet it
+    assert choose(scores, 1.0).worker_id == "w1"  # all meet it, all compute as much: fastest
     assert choose(scored(0.2, 0.2), 0.2).worker_id == "w0"  # meeting includes equal
     for bad in (-1.0, math.nan):
         with pytest.raises(ValueError):
             choose(scores, bad)
 
 
+def test_choose_spends_the_slack_on_the_fewest_computed_tokens():
+    # w0: idle, computes the whole prompt; w1 holds most of it but has a queue; w2 holds it all
+    # behind a longer queue.
+    scores = [Score("w0", 0.20, NO_MATCH, NO_LOADS, 100), Score("w1", 0.40, PrefixMatch(5, 0, 0), NO_LOADS, 20),
+              Score("w2", 0.90, PrefixMatch(6, 0, 0), NO_LOADS, 1)]
+    assert choose(scores).worker_id == "w0"  # no SLO: the fastest
+    assert choose(scores, 1.0).worker_id == "w2"  # all meet it: the fewest tokens to compute
+    assert choose(scores, 0.5).worker_id == "w1"  # w2 would break it
+    assert choose(scores, 0.3).worker_id == "w0"  # only the idle one meets it
+    assert choose(scores, 0.1).worker_id == "w0"  # none meets it: the fastest
+    ties = [Score("w0", 0.3, NO_MATCH, NO_LOADS, 5), Score("w1", 0.2, NO_MATCH, NO_LOADS, 5)]
+    assert choose(ties, 1.0).worker_id == "w1"  # equal work: the faster
+
+
 # -- the registry's prefix-aware pick ------------------------------------------------------
 
 
-def _registry(role: str, n: int, block_size: int = 4):
-    registry = WorkerRegistry("prefix-aware")
+def _registry(role: str, n: int, block_size: int = 4, ttft_slo_s: float | None = None):
+    registry = WorkerRegistry("prefix-aware", ttft_slo_s)
     for i in range(n):
         registry.add(WorkerInfo(m.Register(f"w{i}", role, 0, "h", "model", 1024, 100, block_size,
                                            kv_bytes_per_block=1000)))
@@ -389,6 +403,21 @@ def test_prefix_aware_pick_prefers_the_holder_until_its_queue_costs_more():
     assert registry.pick("prefill", prompt).worker_id == "w0"
     registry.apply_kv_events("w1", [m.KVEvent("removed", "pool", prompt.hashes(4)[:8])])
     assert registry.prefix_json("w1") == {"cached_blocks": {"pool": 0, "host": 0, "disk": 0}}
+
+
+def test_prefix_aware_pick_with_an_slo_keeps_the_holder_while_it_meets_it():
+    # No measured rate yet: PRIOR_PREFILL_S_PER_TOKEN (0.5 ms) per token on both.
+    prompt = PromptBlocks(list(range(41)))
+    for slo, expected in ((None, "w0"), (0.1, "w1"), (0.03, "w0")):
+        registry = _registry("prefill", 2, ttft_slo_s=slo)
+        _stored(registry, "w1", prompt.hashes(4)[:8])
+        registry.get("w1").take("r1", 100)  # w1: (100 + 9) tokens = 54.5 ms; w0: 41 tokens = 20.5 ms
+        assert registry.pick("prefill", prompt).worker_id == expected, slo
+    # A request's own SLO comes before the registry's.
+    assert registry.pick("prefill", PromptBlocks(list(range(41)), ttft_slo_s=1.0)).worker_id == "w1"
+    for bad in (0.0, -1.0, math.inf, math.nan):
+        with pytest.raises(ConfigError):
+            WorkerRegistry("prefix-aware", bad)
 
 
 def test_prefix_aware_decode_pick_takes_the_holder_within_the_slack():
