@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -49,6 +50,40 @@ def layout_key(model_name: str, dtype: torch.dtype, shape: Sequence[int]) -> str
     mean the same bytes share blocks (the block hash names tokens, not the model)."""
     text = f"{model_name}|{dtype}|{tuple(shape)}|v{FORMAT_VERSION}"
     return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+
+
+def tier_root(options: TierOptions, tier: str) -> Path:
+    """Where ``tier``'s medium is: the flag's directory, else the default one."""
+    if tier == "host":
+        return Path(options.host_dir or default_host_dir())
+    return Path(options.disk_dir or default_disk_dir())
+
+
+def tier_cost(options: TierOptions, tier: FileTier) -> tuple[float, float]:
+    """(read bytes per second, seconds per load) of ``tier`` for the reload rule: the flag's
+    bandwidth when given, else measured on its medium (``measure_tier_bandwidth``)."""
+    gbps = options.read_gbps(tier.name)
+    return (gbps * 1e9, 0.0) if gbps is not None else measure_tier_bandwidth(tier, num_blocks=8)
+
+
+def probe_tiers(options: TierOptions, block_bytes: int, num_blocks: int = 32) -> dict[str, dict]:
+    """``epdserve profile``: read bandwidth and latency of each tier's medium for blocks of
+    ``block_bytes`` (whether or not a size is given for it), measured in a scratch tier that
+    is removed after; a tier whose directory cannot be used is left out with the reason."""
+    out: dict[str, dict] = {}
+    for name in ("host", "disk"):
+        root = tier_root(options, name) / f"probe-{os.getpid()}"
+        try:
+            tier = FileTier(name, root, num_blocks + 8, block_bytes)
+        except OSError as e:
+            out[name] = {"error": f"{root}: {e.strerror or e}"}
+            continue
+        try:
+            bytes_per_s, latency_s = measure_tier_bandwidth(tier, num_blocks)
+        finally:
+            tier.remove_root()
+        out[name] = {"bytes_per_s": bytes_per_s, "latency_s": latency_s, "dir": str(root.parent)}
+    return out
 
 
 @dataclass
@@ -117,8 +152,7 @@ class KVOffload:
         for name, tier in tiers.items():
             if tier is None:
                 continue
-            gbps = options.read_gbps(name)
-            costs[name] = (gbps * 1e9, 0.0) if gbps is not None else measure_tier_bandwidth(tier, num_blocks=8)
+            costs[name] = tier_cost(options, tier)
             log.info("KV %s tier at %s: %d blocks, %.2f GB/s, %.0f us per load", name, tier.root,
                      tier.capacity_blocks, costs[name][0] / 1e9, costs[name][1] * 1e6)
         store = TieredStore(tiers["host"], tiers["disk"])

@@ -40,6 +40,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from io import FileIO
 from pathlib import Path
+from typing import Protocol
 
 from epdserve.engine.block_pool import HASH_BYTES
 from epdserve.engine.reload_rule import LOAD_TIERS
@@ -47,7 +48,7 @@ from epdserve.errors import ConfigError
 
 __all__ = [
     "FORMAT_VERSION", "Buffer", "EventLog", "FileTier", "StoreEvent", "StoreStats", "TierStats",
-    "TieredStore", "measure_tier_bandwidth",
+    "TieredStore", "find_prefix", "measure_tier_bandwidth",
 ]
 
 log = logging.getLogger(__name__)
@@ -540,17 +541,8 @@ class TieredStore:
     # -- reads --------------------------------------------------------------------------------
 
     def find_prefix(self, keys: Sequence[bytes]) -> list[str]:
-        """The tier of each leading key found: a run on host, then a run on disk (the walk only
-        moves down a tier), ending at the first key the current tier and those below lack."""
-        found: list[str] = []
-        level = 0
-        for key in keys:
-            while level < len(self.tiers) and not self.tiers[level].contains(key):
-                level += 1
-            if level == len(self.tiers):
-                break
-            found.append(self.tiers[level].name)
-        return found
+        """The tier of each leading key found (``find_prefix``)."""
+        return find_prefix(self.tiers, keys)
 
     def load(self, key: bytes, tier: str) -> bytes | None:
         """The block from ``tier``; None on a miss, a bad file or a tier the store lacks."""
@@ -609,3 +601,24 @@ def measure_tier_bandwidth(tier: FileTier, num_blocks: int = 32) -> tuple[float,
     bytes_per_s = min(max(tier.block_bytes / per_block_s, 1e3), 1e13)
     latency_s = min(max(single_s - per_block_s, 1e-7), 1.0)
     return bytes_per_s, latency_s
+
+
+class _NamedTier(Protocol):
+    name: str
+
+    def contains(self, key: bytes) -> bool: ...
+
+
+def find_prefix(tiers: Sequence[_NamedTier], keys: Sequence[bytes]) -> list[str]:
+    """The tier of each leading key found in ``tiers`` (top first): a run on host, then a run
+    on disk (the walk only moves down a tier), ending at the first key the current tier and
+    those below lack. The store and the simulator's model of it (``sim/kv_tiers.py``) walk so."""
+    found: list[str] = []
+    level = 0
+    for key in keys:
+        while level < len(tiers) and not tiers[level].contains(key):
+            level += 1
+        if level == len(tiers):
+            break
+        found.append(tiers[level].name)
+    return found

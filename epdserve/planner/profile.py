@@ -35,6 +35,7 @@ import torch
 from epdserve.bench.experiments.report import cpu_busy_share, cpu_model
 from epdserve.config import EngineArgs, resolve_device_name, resolve_dtype_name
 from epdserve.engine.engine import LLMEngine
+from epdserve.engine.kv_offload import probe_tiers
 from epdserve.engine.step_shape import StepShape
 from epdserve.errors import ConfigError
 from epdserve.planner.profile_grid import ProfileGrid
@@ -204,6 +205,8 @@ class Profiler:
         if self.encoder is not None:
             with self.neighbour("encode"), worker_threads(self.target.num_threads["encode"]):
                 encode, embed_bytes = self.encoder.measure(self.target.grid, self.target.num_threads["encode"], tick)
+        # The reload rule's other side: the KV tiers' media, for blocks of this model's layout.
+        kv_tiers = probe_tiers(self.target.args.kv_tiers, self.kv_bytes_per_token * self.serving.cache.block_size)
         spec = self.engine.loaded.spec
         raw = {
             "version": PROFILE_VERSION,
@@ -212,11 +215,13 @@ class Profiler:
             "has_busy_neighbours": self.target.has_busy_neighbours,
             "temperature": self.target.temperature,
             "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "kv_tiers": kv_tiers,
         }
         return CostModel(
             model=spec.name, dtype=self.serving.dtype, block_size=self.serving.cache.block_size,
             kv_bytes_per_token=self.kv_bytes_per_token, embed_bytes_per_token=embed_bytes,
             num_layers=spec.num_layers, roles=roles, encode=encode, raw=raw,
+            kv_tiers={t: (e["bytes_per_s"], e["latency_s"]) for t, e in kv_tiers.items() if "bytes_per_s" in e},
         )
 
 

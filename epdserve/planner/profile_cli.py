@@ -116,7 +116,22 @@ def format_summary(model) -> str:  # model: CostModel
                f"decode step ms (batch {batch}, ctx {context})", "encoder tiles/s"]
     rows = [headers, *summary_rows(model)]
     widths = [max(len(r[i]) for r in rows) for i in range(len(headers))]
-    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+    return "\n".join(lines + tier_lines(model))
+
+
+def tier_lines(model) -> list[str]:  # model: CostModel
+    """The KV tiers' media as measured, with the flag that pins a worker's reload rule to it."""
+    lines = []
+    for tier, entry in (model.raw.get("kv_tiers") or {}).items():
+        if tier in model.kv_tiers:
+            bytes_per_s, latency_s = model.kv_tiers[tier]
+            lines.append(f"KV {tier} tier ({entry.get('dir', '?')}): read {bytes_per_s / 1e9:.2f} GB/s, "
+                         f"{latency_s * 1e6:.0f} us per load (serve --kv-{tier}-tier-read-gbps "
+                         f"{bytes_per_s / 1e9:.2f} uses it)")
+        else:
+            lines.append(f"KV {tier} tier: not measured ({entry.get('error', 'no result')})")
+    return lines
 
 
 def run_profile_command(ns: argparse.Namespace) -> int:

@@ -49,6 +49,13 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
                    help="router: the routing policy (as epdserve serve --routing)")
     c.add_argument("--routing-ttft-slo", type=float, default=None, metavar="SECONDS",
                    help="router: prefix-aware routing's TTFT SLO (as epdserve serve --routing-ttft-slo)")
+    c.add_argument("--kv-host-tier-gib", type=float, default=0.0,
+                   help="KV host-memory tier below the pools, per host (as epdserve serve; 0: none)")
+    c.add_argument("--kv-disk-tier-gib", type=float, default=0.0, help="KV disk tier per host (0: none)")
+    c.add_argument("--kv-host-tier-read-gbps", type=float, default=None,
+                   help="the host tier's read bandwidth in GB/s (default: the profile's measurement)")
+    c.add_argument("--kv-disk-tier-read-gbps", type=float, default=None,
+                   help="the disk tier's read bandwidth in GB/s (default: the profile's measurement)")
     c.add_argument("--max-waiting-per-worker", type=int, default=None, help="router: queued per worker (default 256)")
     c.add_argument("--heartbeat-s", type=float, default=0.2, help="load reports reach the router this often")
     c.add_argument("--no-fast-forward", action="store_true", help="step every decode step (slower, same result)")
@@ -141,6 +148,10 @@ def sim_config_kwargs(ns: argparse.Namespace) -> dict:
         "instances_per_host": ns.instances_per_host,
         "routing": ns.routing,
         "routing_ttft_slo_s": ns.routing_ttft_slo,
+        "kv_host_tier_gib": ns.kv_host_tier_gib,
+        "kv_disk_tier_gib": ns.kv_disk_tier_gib,
+        "kv_tier_bytes_per_s": {t: gbps * 1e9 for t, gbps in (("host", ns.kv_host_tier_read_gbps),
+                                                               ("disk", ns.kv_disk_tier_read_gbps)) if gbps is not None},
     }
 
 

@@ -177,6 +177,8 @@ class ClusterSim(SimLoop):
         now = self.now
         shape = StepShape.from_scheduler_output(out)
         step_s = inst.step_cost.time_s(shape)
+        if out.loads:  # read from the tiers below the pool before the forward pass
+            step_s += inst.loader.loaded(out.loads)
         if inst.neighbour_step is not None and inst.neighbours:
             busy = sum(1 for o in inst.neighbours if o.is_busy) / len(inst.neighbours)
             if busy:

@@ -30,6 +30,15 @@ class SimConfig:
     instances_per_host: int = 1
     routing: str = DEFAULT_ROUTING  # the router's policy (WorkerRegistry.pick, which checks it)
     routing_ttft_slo_s: float | None = None  # prefix-aware's TTFT SLO (as serve --routing-ttft-slo)
+    # KV tiers below each instance's pool, per host (as serve --kv-host-tier-gib, --kv-disk-tier-gib;
+    # 0: none), read at the profile's measured bandwidths unless given here (bytes per second).
+    kv_host_tier_gib: float = 0.0
+    kv_disk_tier_gib: float = 0.0
+    kv_tier_bytes_per_s: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def has_kv_tiers(self) -> bool:
+        return self.kv_host_tier_gib > 0 or self.kv_disk_tier_gib > 0
 
     def __post_init__(self) -> None:
         checks = [
@@ -41,6 +50,10 @@ class SimConfig:
             (self.max_model_len is None or self.max_model_len >= 2, "max_model_len must be >= 2"),
             (self.max_detail_requests >= 0, "max_detail_requests must be >= 0"),
             (self.instances_per_host >= 1, f"instances per host must be >= 1, got {self.instances_per_host}"),
+            (self.kv_host_tier_gib >= 0 and self.kv_disk_tier_gib >= 0, "KV tier sizes must be >= 0 GiB"),
+            (not self.has_kv_tiers or self.enable_prefix_caching, "the KV tiers below the pool need prefix caching"),
+            (all(t in ("host", "disk") and v > 0 for t, v in self.kv_tier_bytes_per_s.items()),
+             f"KV tier bandwidths must be host or disk, > 0: {self.kv_tier_bytes_per_s}"),
         ]
         for ok, message in checks:
             if not ok:

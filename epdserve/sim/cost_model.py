@@ -263,6 +263,23 @@ class EncodeCost:
         return cls(d["num_threads"], d["tokens_per_tile"], image["base_s"], image["per_tile_s"], tuple(d.get("samples") or ()))
 
 
+def _parse_kv_tiers(d: Any) -> dict[str, tuple[float, float]]:
+    """A profile's ``kv_tiers``: per tier ``{"bytes_per_s", "latency_s"}``; a tier the profile
+    could not measure (``{"error": ...}``) is left out."""
+    if d is None:
+        return {}
+    _require(isinstance(d, dict), "profile 'kv_tiers' must be an object")
+    tiers = {}
+    for tier, entry in d.items():
+        _require(isinstance(entry, dict), f"kv_tiers.{tier} must be an object")
+        if "error" in entry and "bytes_per_s" not in entry:
+            continue
+        for key in ("bytes_per_s", "latency_s"):
+            _require(key in entry, f"kv_tiers.{tier} is missing {key!r}")
+        tiers[tier] = (entry["bytes_per_s"], entry["latency_s"])
+    return tiers
+
+
 @dataclass(frozen=True)
 class CostModel:
     model: str
@@ -274,6 +291,9 @@ class CostModel:
     roles: dict[str, RoleProfile]
     encode: EncodeCost | None = None
     raw: dict = field(default_factory=dict, compare=False)  # the file as read (host, device, ...)
+    # The KV tiers' media, measured: tier ("host", "disk") -> (read bytes per second, seconds
+    # per load); the reload rule's load side (engine/reload_rule.py). Empty: not measured.
+    kv_tiers: dict[str, tuple[float, float]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         _check_count("block_size", self.block_size, 1)
@@ -284,6 +304,16 @@ class CostModel:
         for name, role in self.roles.items():
             _require(name == role.name, f"role key {name!r} holds a profile named {role.name!r}")
         _require(bool(self.roles) or self.encode is not None, "profile has no roles")
+        for tier, (bytes_per_s, latency_s) in self.kv_tiers.items():
+            _require(tier in ("host", "disk"), f"kv_tiers: unknown tier {tier!r} (host, disk)")
+            _require(_is_number(bytes_per_s) and math.isfinite(bytes_per_s) and bytes_per_s > 0,
+                     f"kv_tiers.{tier}.bytes_per_s must be a finite number > 0, got {bytes_per_s!r}")
+            _require(_is_number(latency_s) and math.isfinite(latency_s) and latency_s >= 0,
+                     f"kv_tiers.{tier}.latency_s must be a finite number >= 0, got {latency_s!r}")
+
+    def bytes_per_block(self) -> int:
+        """KV bytes of one block, every layer."""
+        return self.kv_bytes_per_token * self.block_size
 
     def role(self, name: str) -> RoleProfile:
         if name == ENCODE_ROLE:
@@ -326,6 +356,7 @@ class CostModel:
             roles=roles,
             encode=encode,
             raw=copy.deepcopy(d),
+            kv_tiers=_parse_kv_tiers(d.get("kv_tiers")),
         )
 
     def to_dict(self) -> dict:
@@ -346,6 +377,10 @@ class CostModel:
         if self.encode is not None:
             roles[ENCODE_ROLE] = {**old_roles.get(ENCODE_ROLE, {}), **self.encode.to_dict()}
         d["roles"] = roles
+        if self.kv_tiers:
+            old_tiers = d.get("kv_tiers") if isinstance(d.get("kv_tiers"), dict) else {}
+            d["kv_tiers"] = {tier: {**(old_tiers.get(tier) or {}), "bytes_per_s": bps, "latency_s": lat}
+                             for tier, (bps, lat) in self.kv_tiers.items()}
         return d
 
     @classmethod

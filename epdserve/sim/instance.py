@@ -13,9 +13,11 @@ from collections import deque
 from epdserve.cluster import messages as m
 from epdserve.config import SchedulerConfig
 from epdserve.engine.kv_cache import KVCacheManager, make_group_specs
+from epdserve.engine.reload_rule import PrefixCost
 from epdserve.engine.scheduler import Scheduler, SchedulerOutput
 from epdserve.router.workers import WorkerInfo
 from epdserve.sim.cost_model import EncodeCost, RoleProfile, StepCost
+from epdserve.sim.kv_tiers import SimLoader, SimStore
 
 # Shared-memory push on one host: memcpy into a shared-memory mapping from one thread,
 # 17.1 GB/s measured on the development host (docs/experiments.md, "kv-exposure").
@@ -77,7 +79,11 @@ class StepInstance:
     """A colocated, prefill or decode instance: the real scheduler with modelled step times."""
 
     def __init__(self, worker_id: str, profile: RoleProfile, block_size: int, max_model_len: int,
-                 enable_prefix_caching: bool, max_num_seqs: int | None, link: Link | None, model_name: str) -> None:
+                 enable_prefix_caching: bool, max_num_seqs: int | None, link: Link | None, model_name: str,
+                 node: str = "", store: SimStore | None = None, kv_tiers: dict[str, tuple[float, float]] | None = None,
+                 bytes_per_block: int = 0) -> None:
+        """``store``: the KV tiers of its node (``kv_tiers.SimStore``; None: none), read at the
+        bandwidths ``kv_tiers`` gives (tier -> (bytes per second, seconds per load))."""
         self.role = profile.name
         # One full-attention group: block bookkeeping only (byte sizes come from the profile).
         # Which block ids a request holds does not change a simulated step's cost, so blocks
@@ -93,13 +99,22 @@ class StepInstance:
             enable_chunked_prefill=True,
         )
         self.scheduler = Scheduler(config, self.kv_cache)
+        tiers = kv_tiers or {}
+        self.loader: SimLoader | None = None
+        if store is not None:
+            cost = PrefixCost.from_step_cost(profile.step, block_size, bytes_per_block,
+                                             {t: c[0] for t, c in tiers.items()}, {t: c[1] for t, c in tiers.items()})
+            self.loader = SimLoader(store, cost)
+            self.kv_cache.on_free = self.loader.on_free
+            self.scheduler.prefix_loader = self.loader
         self.step_cost: StepCost = profile.step
         self.neighbour_step: StepCost | None = profile.neighbour_step
         self.neighbours: list = []  # the other instances on its host (set by the cluster)
         self.link = link  # prefill: where its KV leaves
-        self.worker = WorkerInfo(m.Register(worker_id, self.role, pid=0, host="sim", model_name=model_name,
-                                            max_model_len=max_model_len, num_kv_blocks=profile.num_kv_blocks,
-                                            block_size=block_size))
+        self.worker = WorkerInfo(m.Register(
+            worker_id, self.role, pid=0, host="sim", model_name=model_name, max_model_len=max_model_len,
+            num_kv_blocks=profile.num_kv_blocks, block_size=block_size, node=node, kv_bytes_per_block=bytes_per_block,
+            kv_tiers=[m.TierCost(t, c[0], c[1]) for t, c in tiers.items()] if store is not None else []))
         self.worker.load = self.load()
         self.is_busy = False
         self.busy_until = 0.0  # when the step (or stretch step) in flight ends

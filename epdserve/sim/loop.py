@@ -27,6 +27,7 @@ from epdserve.sim import fastforward
 from epdserve.sim.config import SimConfig, SimStats
 from epdserve.sim.cost_model import CostModel
 from epdserve.sim.instance import EncodeInstance, Link, StepInstance, role_summary
+from epdserve.sim.kv_tiers import SimStore
 from epdserve.sim.results import Flight, MissWatch, Recorder
 from epdserve.sim.workload import SimWorkload
 
@@ -59,6 +60,8 @@ class SimLoop:
         # prefix-aware routing: instances report the blocks they cache and evict (KV events)
         self.is_prefix_aware = config.routing == "prefix-aware"
         self.by_worker_id: dict[str, StepInstance | EncodeInstance] = {}
+        self.stores: dict[str, SimStore] = {}  # node -> its KV tiers below the pools
+        self.kv_tiers = self._kv_tier_costs() if config.has_kv_tiers else {}
         for role in topo.roles:
             for i in range(topo.count(role)):
                 self._add_instance(role, f"{role}-{i}")
@@ -97,14 +100,48 @@ class SimLoop:
                     f"the profile's {role} role holds {capacity} tokens of KV; the workload's longest "
                     f"request needs {self.max_model_len} (pass a smaller max model length)"
                 )
+            node = f"sim-host-{len(self.instances) // config.instances_per_host}"
             inst = StepInstance(worker_id, profile, cost.block_size, self.max_model_len, config.enable_prefix_caching,
-                                config.max_num_seqs.get(role), link if role == "prefill" else None, cost.model)
+                                config.max_num_seqs.get(role), link if role == "prefill" else None, cost.model,
+                                node, self._store(node), self.kv_tiers, cost.bytes_per_block())
         inst.index = len(self.instances)
         self.instances.append(inst)
         self.registry.add(inst.worker)
         if self.is_prefix_aware and role != "encode":
             inst.kv_cache.record_events()
         self.by_worker_id[worker_id] = inst
+
+    def _kv_tier_costs(self) -> dict[str, tuple[float, float]]:
+        """tier -> (read bytes per second, seconds per load) of each tier with a size: the
+        config's bandwidth, else the profile's measurement (``epdserve profile``)."""
+        config, costs = self.config, {}
+        for tier, gib in (("host", config.kv_host_tier_gib), ("disk", config.kv_disk_tier_gib)):
+            if gib <= 0:
+                continue
+            if tier in config.kv_tier_bytes_per_s:
+                costs[tier] = (config.kv_tier_bytes_per_s[tier], 0.0)
+            elif tier in self.cost.kv_tiers:
+                costs[tier] = self.cost.kv_tiers[tier]
+            else:
+                raise ConfigError(f"the profile has no measured KV {tier} tier: profile again with this "
+                                  f"version, or give --kv-{tier}-tier-read-gbps")
+        return costs
+
+    def _store(self, node: str) -> SimStore | None:
+        """The node's KV tiers (made at its first instance); None without tiers."""
+        if not self.config.has_kv_tiers:
+            return None
+        store = self.stores.get(node)
+        if store is None:
+            bytes_per_block = self.cost.bytes_per_block()
+            blocks = [int(gib * 2**30) // bytes_per_block for gib in (self.config.kv_host_tier_gib,
+                                                                       self.config.kv_disk_tier_gib)]
+            for tier, gib, n in zip(("host", "disk"), (self.config.kv_host_tier_gib, self.config.kv_disk_tier_gib),
+                                    blocks):
+                if gib > 0 and n < 1:
+                    raise ConfigError(f"a {gib:g} GiB {tier} tier holds no {bytes_per_block}-byte KV block")
+            store = self.stores[node] = SimStore(*blocks, record_events=self.is_prefix_aware)
+        return store
 
     # -- event loop ----------------------------------------------------------------------
     def _push(self, when: float, kind: int, payload: object, order: int = 0) -> None:
@@ -178,6 +215,9 @@ class SimLoop:
             index, worker_id = self.registry.prefix_index, inst.worker.worker_id
             for kind, hashes in inst.kv_cache.take_events():
                 index.apply(worker_id, kind, "pool", hashes)
+            if inst.loader is not None:  # its node's tiers: any of the node's workers reports them
+                for kind, tier, hashes in inst.loader.store.take_events():
+                    index.apply(worker_id, kind, tier, hashes)
 
     def _sync(self, inst: StepInstance) -> None:
         """Before anything changes a fast-forwarding instance's requests (a new one joins its
@@ -204,6 +244,24 @@ class SimLoop:
             "num_events": self.stats.num_events,
             "sim_end_s": self.stats.sim_end_s,
             "roles": role_summary(self.instances, self.stats.sim_end_s),
+            **({"kv_tiers": self._tier_summary()} if self.stores else {}),
+        }
+
+    def _tier_summary(self) -> dict:
+        """The KV tiers: per-node capacities, blocks written down, blocks loaded per tier."""
+        loaded = {"host": 0, "disk": 0}
+        for inst in self.instances:
+            loader = getattr(inst, "loader", None)
+            if loader is not None:
+                for tier, n in loader.num_loaded_blocks.items():
+                    loaded[tier] += n
+        store = next(iter(self.stores.values()))
+        return {
+            "num_nodes": len(self.stores),
+            "capacity_blocks": {t.name: t.capacity_blocks for t in store.tiers},
+            "read_bytes_per_s": {t: c[0] for t, c in self.kv_tiers.items()},
+            "num_written_blocks": sum(s.num_written for s in self.stores.values()),
+            "num_loaded_blocks": loaded,
         }
 
     # -- handlers (the request path's) --------------------------------------------------

@@ -46,10 +46,17 @@ def shape_of(point: StepPoint) -> StepShape:
 
 def test_quick_decode_profile_loads_as_cost_model(tmp_path):
     out = tmp_path / "profile.json"
-    proc = run_cli("--quick", "--roles", "decode", "--out", str(out), "--disable-tqdm")
+    host_dir, disk_dir = tmp_path / "host", tmp_path / "disk"
+    proc = run_cli("--quick", "--roles", "decode", "--out", str(out), "--disable-tqdm",
+                   "--kv-host-tier-dir", str(host_dir), "--kv-disk-tier-dir", str(disk_dir))
     assert proc.returncode == 0, proc.stderr
     model = CostModel.load(out)
     assert set(model.roles) == {"decode"}
+    # The KV tiers' media, measured in scratch tiers under the given directories, left empty.
+    assert set(model.kv_tiers) == {"host", "disk"}
+    assert all(bps > 0 and lat >= 0 for bps, lat in model.kv_tiers.values())
+    assert list(host_dir.iterdir()) == [] and list(disk_dir.iterdir()) == []
+    assert "KV host tier" in proc.stdout and "--kv-disk-tier-read-gbps" in proc.stdout
     decode = model.role("decode")
     assert decode.num_threads == 1
     assert all(v >= 0 for v in decode.step.to_dict().values())

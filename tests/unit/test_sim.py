@@ -373,3 +373,64 @@ def test_prefix_aware_routing_in_the_simulator(tmp_path):
     # to the holder of blocks 0 (and 1).
     assert computed["least-prefill"] > computed["prefix-aware"]
     assert computed["prefix-aware"] == 1024 + 16 + 512
+
+
+def _evicting_trace(tmp_path):
+    """Prefix X, then prefix Y (evicts X from a 70-block pool), then X again."""
+    trace = tmp_path / "evict.jsonl"
+    rows = [{"timestamp": 0, "input_length": 1024, "output_length": 2, "hash_ids": [0, 1]},
+            {"timestamp": 5000, "input_length": 1024, "output_length": 2, "hash_ids": [2, 3]},
+            {"timestamp": 10000, "input_length": 1024, "output_length": 2, "hash_ids": [0, 1]}]
+    trace.write_text("\n".join(json.dumps(r) for r in rows))
+    return trace_workload(str(trace))
+
+
+@pytest.mark.parametrize("routing", ["least-prefill", "prefix-aware"])
+def test_kv_tiers_in_the_simulator_follow_the_reload_rule(tmp_path, routing):
+    """A prefix evicted from the pool is written to the host tier; when it comes back, the
+    reload rule (engine/reload_rule.py) loads it when the tier is fast, recomputes it when slow;
+    the load's time is in the step that admits it."""
+    w = _evicting_trace(tmp_path)
+    profile = profile_dict(num_kv_blocks=70)
+    base_sim, base = run(profile, "colocated=1", w, routing=routing)
+    fast_sim, fast = run(profile, "colocated=1", w, routing=routing, kv_host_tier_gib=0.01,
+                         kv_tier_bytes_per_s={"host": 1e9})
+    slow_sim, slow = run(profile, "colocated=1", w, routing=routing, kv_host_tier_gib=0.01,
+                         kv_tier_bytes_per_s={"host": 1e3})
+
+    def computed(sim):
+        return sum(inst.scheduler.num_computed_prompt_tokens for inst in sim.instances)
+
+    # Without tiers X's head blocks survive in the pool (it evicts a freed sequence's tail first).
+    num_pool_hit = (3 * 1024 - computed(base_sim)) // 16
+    assert 0 <= num_pool_hit < 8 and computed(slow_sim) == computed(base_sim)
+    # The rest of X's 63 whole blocks come back from the host tier (the last token is always computed).
+    assert computed(fast_sim) == 2 * 1024 + 16
+    summary = fast_sim.summary()["kv_tiers"]
+    assert summary["num_loaded_blocks"] == {"host": 63 - num_pool_hit, "disk": 0}
+    assert summary["num_written_blocks"] >= 64 and summary["capacity_blocks"] == {"host": int(0.01 * 2**30) // 16000}
+    assert slow_sim.summary()["kv_tiers"]["num_loaded_blocks"] == {"host": 0, "disk": 0}
+    load_s = (63 - num_pool_hit) * 16 * 1000 / 1e9
+    assert fast.ttft[2] < base.ttft[2] - 0.5  # ~1 s of prefill (1e-3 per token) became a load
+    assert fast.ttft[2] > load_s
+    assert slow.ttft[2] == pytest.approx(base.ttft[2])
+
+
+def test_kv_tiers_in_the_simulator_demote_to_disk_and_need_measured_bandwidth(tmp_path):
+    w = _evicting_trace(tmp_path)
+    profile = profile_dict(num_kv_blocks=70)
+    with pytest.raises(ConfigError, match="no measured KV host tier"):
+        run(profile, "colocated=1", w, kv_host_tier_gib=0.01)
+    # The profile's measurement (epdserve profile's kv_tiers) is used; a host tier of 64 blocks
+    # demotes X to disk when Y arrives, and X comes back from there.
+    profile["kv_tiers"] = {"host": {"bytes_per_s": 1e9, "latency_s": 1e-4},
+                           "disk": {"bytes_per_s": 5e8, "latency_s": 1e-3}}
+    sim, _ = run(profile, "colocated=1", w, kv_host_tier_gib=64 * 16000 / 2**30, kv_disk_tier_gib=0.01)
+    loaded = sim.summary()["kv_tiers"]["num_loaded_blocks"]
+    assert loaded["disk"] > 0 and 56 < loaded["host"] + loaded["disk"] <= 63
+    assert sum(inst.scheduler.num_computed_prompt_tokens for inst in sim.instances) == 2 * 1024 + 16
+    with pytest.raises(ConfigError, match="prefix caching"):
+        SimConfig(parse_topology("colocated=1"), kv_host_tier_gib=1.0, enable_prefix_caching=False)
+    bad = {**profile, "kv_tiers": {"host": {"bytes_per_s": -1.0, "latency_s": 0.0}}}
+    with pytest.raises(ConfigError, match="bytes_per_s"):
+        CostModel.from_dict(bad)
