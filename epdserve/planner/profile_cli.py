@@ -127,7 +127,7 @@ def tier_lines(model) -> list[str]:  # model: CostModel
         if tier in model.kv_tiers:
             bytes_per_s, latency_s = model.kv_tiers[tier]
             lines.append(f"KV {tier} tier ({entry.get('dir', '?')}): read {bytes_per_s / 1e9:.2f} GB/s, "
-                         f"{latency_s * 1e6:.0f} us per load (serve --kv-{tier}-tier-read-gbps "
+                         f"{latency_s * 1e6:.1f} us per load (serve --kv-{tier}-tier-read-gbps "
                          f"{bytes_per_s / 1e9:.2f} uses it)")
         else:
             lines.append(f"KV {tier} tier: not measured ({entry.get('error', 'no result')})")
