@@ -123,6 +123,13 @@ class TierLoad:
     predicted_load_s: float
     predicted_compute_s: float
     read_s: float
+    # P/D: tokens copied from the decode worker's pages before the tiers (``engine/kv_pull.py``),
+    # and the rule's copy time for them
+    num_peer_tokens: int = 0
+    predicted_peer_s: float = 0.0
+
+
+NO_TIER_LOAD = TierLoad(0, 0, 0, 0, 0.0, 0.0, 0.0)
 
 
 @dataclass

@@ -143,6 +143,8 @@ class KVLoad(msgspec.Struct, omit_defaults=True):
     predicted_load_s: float = 0.0  # the rule: loading what it loaded
     predicted_compute_s: float = 0.0  # the rule: computing every found token instead
     read_s: float = 0.0  # measured: reading and checking the blocks
+    num_peer_tokens: int = 0  # P/D: copied from the decode worker's pages (shared memory)
+    predicted_peer_s: float = 0.0  # the rule: that copy
 
 
 class TokenOutput(msgspec.Struct, omit_defaults=True):

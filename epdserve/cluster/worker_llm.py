@@ -283,7 +283,7 @@ class LLMWorker(WorkerBase):
 
 def _kv_load(load: TierLoad) -> m.KVLoad:
     return m.KVLoad(load.num_found_tokens, load.num_chosen_tokens, load.num_host_tokens, load.num_disk_tokens, load.predicted_load_s,
-                    load.predicted_compute_s, load.read_s)
+                    load.predicted_compute_s, load.read_s, load.num_peer_tokens, load.predicted_peer_s)
 
 
 class ColocatedWorker(LLMWorker):

@@ -93,6 +93,7 @@ class LLMEngine(PDRoles):
         self.prefill_rate = PrefillRate()  # measured prefill seconds per prompt token
         self.bytes_per_block = bytes_per_block  # KV of one block, every layer and group
         self.kv_offload: KVOffload | None = None
+        self.kv_puller = None  # P/D prefill: kv_pull.PeerPuller, set with the KV pusher
         if args.kv_tiers.enabled:
             self.kv_offload = self._open_kv_store(args)
         self._sequences: dict[str, _Sequence] = {}
@@ -339,6 +340,14 @@ class LLMEngine(PDRoles):
         try:
             if self._faults is not None:
                 self._inject_step_faults(plan)
+            if plan.pulls:
+                for request_id in self.kv_puller.apply(plan.pulls):
+                    self._fail(request_id, "its decode worker's reservation ended while its prefix was "
+                                           "copied from there", failed)
+                if failed:  # their pages are not valid: they leave the step
+                    plan.scheduled = [e for e in plan.scheduled if e.request.request_id not in failed]
+                    if not plan.scheduled:
+                        return list(failed.values())
             if plan.loads:
                 self.kv_offload.apply(plan.loads)
             model_start = time.perf_counter()

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
+from epdserve.engine.kv_pull import PeerPuller
 from epdserve.engine.outputs import check_mm_inputs
 from epdserve.errors import InvalidRequestError
 from epdserve.request import EventType, MMInput, Request
@@ -18,6 +19,8 @@ from epdserve.transfer.connector import KVPusher, TransferStats
 
 if TYPE_CHECKING:
     from epdserve.engine.detokenizer import IncrementalDetokenizer
+    from epdserve.engine.kv_cache import KVCacheManager
+    from epdserve.engine.reload_rule import PrefillRate
     from epdserve.engine.runner import ModelRunner
     from epdserve.engine.scheduler import Scheduler
     from epdserve.models.tokenizer import Tokenizer
@@ -31,6 +34,10 @@ class PDRoles:
     tokenizer: Tokenizer
     _children: dict[str, list[str]]
     _mm_inputs: dict[str, list[MMInput]]
+    kv_cache: KVCacheManager
+    bytes_per_block: int
+    prefill_rate: PrefillRate
+    kv_puller: PeerPuller | None
 
     if TYPE_CHECKING:
         def _add_sequence(self, parent_id: str, request_id: str, index: int, prompt_token_ids: list[int],
@@ -121,8 +128,16 @@ class PDRoles:
 
     def attach_kv_pusher(self, layerwise: bool = True) -> KVPusher:
         """Prefill worker: from now on each step pushes the KV of requests with a
-        ``kv_target`` to that decode worker (layer by layer, or in bulk after the step)."""
-        return self.runner.attach_pusher(layerwise)
+        ``kv_target`` to that decode worker (layer by layer, or in bulk after the step).
+        With prefix caching over one KV group, a prefix the decode worker holds beyond this
+        worker's pool may be copied from its pages (``kv_pull.py``)."""
+        pusher = self.runner.attach_pusher(layerwise)
+        cache = self.kv_cache
+        if cache.enable_prefix_caching and len(cache.groups) == 1:
+            self.kv_puller = PeerPuller(pusher, self.runner.kv_caches, cache.block_size, self.bytes_per_block,
+                                        self.prefill_rate)
+            self.scheduler.peer_loader = self.kv_puller
+        return pusher
 
     @property
     def kv_pusher(self) -> KVPusher | None:

@@ -54,6 +54,11 @@ class PrefillRate:
         self.per_token_s = statistics.median(self._samples)
 
 
+# Bytes per second of a copy between two workers' pages in one node's shared memory, assumed
+# until a link measured its own: memcpy from one thread, 17.1 GB/s measured on the development
+# host (docs/experiments.md, "kv-exposure").
+PRIOR_SHM_BYTES_PER_S = 17.1e9
+
 # Where a worker can find a KV block, fastest first: its own page pool (only that worker uses
 # it), the host-memory tier shared by the workers of a node, the node's local-disk tier.
 TIERS = ("pool", "host", "disk")
@@ -163,7 +168,23 @@ class PrefixCost:
         than computing their tokens there; on a tie, compute. No blocks: nothing to load."""
         if num_blocks <= 0:
             return False
-        return self.load_s(tier, num_blocks) < self.prefill_s(num_blocks * self.block_size, num_cached_tokens)
+        return self._beats_compute(self.load_s(tier, num_blocks), num_blocks, num_cached_tokens)
+
+    def copy_s(self, num_blocks: int, bytes_per_s: float, latency_s: float = 0.0) -> float:
+        """Seconds to copy ``num_blocks`` blocks over a medium of ``bytes_per_s`` (> 0) that
+        is no tier of this cost (another worker's pages, say), plus ``latency_s``."""
+        if not bytes_per_s > 0:
+            raise ValueError(f"bytes_per_s must be > 0, got {bytes_per_s!r}")
+        return num_blocks * self.bytes_per_block / bytes_per_s + latency_s if num_blocks > 0 else 0.0
+
+    def should_copy(self, num_blocks: int, bytes_per_s: float, latency_s: float, num_cached_tokens: int) -> bool:
+        """The same rule for blocks copied from another worker's pages (``copy_s``)."""
+        if num_blocks <= 0:
+            return False
+        return self._beats_compute(self.copy_s(num_blocks, bytes_per_s, latency_s), num_blocks, num_cached_tokens)
+
+    def _beats_compute(self, seconds: float, num_blocks: int, num_cached_tokens: int) -> bool:
+        return seconds < self.prefill_s(num_blocks * self.block_size, num_cached_tokens)
 
     def plan_loads(self, num_cached_tokens: int, num_host_blocks: int, num_disk_blocks: int) -> tuple[int, int, float]:
         """What to load of a prefix found below the pool: after ``num_cached_tokens`` tokens in

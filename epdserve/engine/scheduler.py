@@ -14,13 +14,13 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from epdserve.config import SchedulerConfig
 from epdserve.engine.kv_cache import KVCacheManager
 from epdserve.engine.reload_rule import max_cached_blocks
-from epdserve.request import EventType, Request, RequestStatus, TierLoad
+from epdserve.request import NO_TIER_LOAD, EventType, Request, RequestStatus, TierLoad
 
 
 class PrefixLoad(Protocol):
@@ -34,6 +34,18 @@ class PrefixLoad(Protocol):
 
 class PrefixLoader(Protocol):
     def plan_load(self, block_hashes: Sequence[bytes], num_cached_tokens: int) -> PrefixLoad | None: ...
+
+
+class PeerPull(Protocol):
+    """Blocks copied from the decode worker's pages for one request (kv_pull.py ``PeerPull``)."""
+
+    num_blocks: int
+    predicted_s: float
+    block_ids: list[int]  # the pages they go to: set here, at allocation
+
+
+class PeerLoader(Protocol):
+    def plan_pull(self, request: Request, num_cached_tokens: int) -> PeerPull | None: ...
 
 
 @dataclass
@@ -52,6 +64,8 @@ class SchedulerOutput:
     # Blocks read from the tiers below the pool for requests admitted now (``PrefixLoader``),
     # to write into their pages before the forward pass.
     loads: list[PrefixLoad] = field(default_factory=list)
+    # P/D prefill: blocks copied from the decode worker's pages (``PeerLoader``), likewise.
+    pulls: list[PeerPull] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -78,6 +92,9 @@ class Scheduler:
         # The tiers below the pool (kv_offload.KVOffload; None: none): asked at admission for
         # the blocks after a pool hit.
         self.prefix_loader: PrefixLoader | None = None
+        # P/D prefill (kv_pull.PeerPuller; None: none): asked at admission for the blocks the
+        # decode worker holds past the pool hit.
+        self.peer_loader: PeerLoader | None = None
         self.num_preemptions = 0
 
     # -- queue ---------------------------------------------------------------------------
@@ -226,6 +243,11 @@ class Scheduler:
                 continue
             hit = self.kv_cache.find_cached_prefix(request.request_id, request.hash_token_ids)
             num_computed = hit.num_tokens
+            pull = None
+            if self.peer_loader is not None and request.kv_target_num_cached > num_computed:
+                pull = self.peer_loader.plan_pull(request, num_computed)
+                if pull is not None:
+                    num_computed += pull.num_blocks * self.kv_cache.block_size
             load = self._plan_load(request, num_computed) if self.prefix_loader is not None else None
             if load is not None:
                 num_computed += load.num_blocks * self.kv_cache.block_size
@@ -239,9 +261,16 @@ class Scheduler:
             if not self.kv_cache.allocate(request.request_id, num_computed, num_new, hit):
                 break
             self.waiting.popleft()
-            request.tier_load = load.info(self.kv_cache.block_size) if load is not None else None
+            block_size = self.kv_cache.block_size
+            request.tier_load = load.info(block_size) if load is not None else None
+            first = hit.num_tokens // block_size
+            if pull is not None:  # copied pages come right after the pool hit, then the loaded ones
+                pull.block_ids = self.kv_cache.block_tables(request.request_id)[0][first : first + pull.num_blocks]
+                out.pulls.append(pull)
+                first += pull.num_blocks
+                request.tier_load = replace(request.tier_load or NO_TIER_LOAD, predicted_peer_s=pull.predicted_s,
+                                            num_peer_tokens=pull.num_blocks * block_size)
             if load is not None and load.num_blocks:
-                first = hit.num_tokens // self.kv_cache.block_size
                 load.block_ids = self.kv_cache.block_tables(request.request_id)[0][first : first + load.num_blocks]
                 out.loads.append(load)
             request.num_computed_tokens = num_computed

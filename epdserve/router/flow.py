@@ -424,7 +424,8 @@ class RequestFlow:
         if load is not None:
             counter = self.metrics.kv_tier_tokens
             for kind, value in (("found", load.num_found_tokens), ("chosen", load.num_chosen_tokens),
-                                ("host", load.num_host_tokens), ("disk", load.num_disk_tokens)):
+                                ("host", load.num_host_tokens), ("disk", load.num_disk_tokens),
+                                ("peer", load.num_peer_tokens)):
                 counter.labels(kind).inc(value)
 
     @staticmethod

@@ -27,8 +27,9 @@ class RouterMetrics:
         self.prefix_cached_tokens = Counter("epdserve_prefix_cache_hit_tokens_total", "Prompt tokens served from a "
                                             "worker's prefix cache, by the role of the worker", ["role"], registry=r)
         self.kv_tier_tokens = Counter("epdserve_kv_tier_tokens_total", "Prompt tokens found in the KV tiers below a "
-                                      "worker's pool (found), chosen by the reload rule to load (chosen), and "
-                                      "loaded from each tier (host, disk)", ["kind"], registry=r)
+                                      "worker's pool (found), chosen by the reload rule to load (chosen), "
+                                      "loaded from each tier (host, disk), and copied from the decode "
+                                      "worker's pages (peer)", ["kind"], registry=r)
         self.kv_seconds = Counter("epdserve_kv_transfer_seconds_total", "Seconds KV transfers were in flight", registry=r)
         self.kv_exposed = Counter("epdserve_kv_transfer_exposed_seconds_total", "KV transfer time not hidden behind prefill", registry=r)
         self.prompt_tokens = Counter("epdserve_prompt_tokens_total", "Prompt tokens", registry=r)

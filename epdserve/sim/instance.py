@@ -13,15 +13,14 @@ from collections import deque
 from epdserve.cluster import messages as m
 from epdserve.config import SchedulerConfig
 from epdserve.engine.kv_cache import KVCacheManager, make_group_specs
-from epdserve.engine.reload_rule import PrefixCost
+from epdserve.engine.reload_rule import PRIOR_SHM_BYTES_PER_S, PrefixCost
 from epdserve.engine.scheduler import Scheduler, SchedulerOutput
 from epdserve.router.workers import WorkerInfo
 from epdserve.sim.cost_model import EncodeCost, RoleProfile, StepCost
 from epdserve.sim.kv_tiers import SimLoader, SimStore
 
-# Shared-memory push on one host: memcpy into a shared-memory mapping from one thread,
-# 17.1 GB/s measured on the development host (docs/experiments.md, "kv-exposure").
-SHM_BYTES_PER_S = 17.1e9
+# Shared-memory push on one host (engine/reload_rule.py, the same figure).
+SHM_BYTES_PER_S = PRIOR_SHM_BYTES_PER_S
 
 
 class Link:

@@ -7,7 +7,9 @@ the blocks after them.
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
 import tempfile
 
 import httpx
@@ -82,6 +84,40 @@ def test_decode_cache_survives_while_prefill_recomputes(tmp_path):
             assert r.status_code == 200
             streamed = "".join(r.iter_lines())
         assert base["choices"][0]["text"].split()[0] in streamed
+        server.wait_all_blocks_free()
+    finally:
+        stop_server(server)
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_prefix_held_by_decode_alone_is_copied_from_its_pages(tmp_path, transport):
+    """A prefill worker that restarted (empty pool) gets a prompt whose prefix the decode worker
+    still caches: over shared memory it copies those blocks from the decode worker's pages (the
+    reload rule: a memcpy beats computing them), over TCP it recomputes them; the output is the
+    same either way, and the blocks decode holds are not sent back to it."""
+    server = start_server(SMALL + ["--kv-transport", transport], str(tmp_path))
+    try:
+        first = complete(server, PROMPT)
+        assert not first["timing"].get("kv_load")
+        prefill = next(w for w in server.workers() if w["role"] == "prefill")
+        os.kill(prefill["pid"], signal.SIGKILL)
+        server.wait_until(lambda: any(w["role"] == "prefill" and w["state"] == "ready" and w["pid"] != prefill["pid"]
+                                      for w in server.workers()), 120, "the prefill worker to restart")
+        second = complete(server, PROMPT)
+        t2 = second["timing"]
+        cached = (len(PROMPT) - 1) // BLOCK_SIZE * BLOCK_SIZE
+        assert t2["num_decode_cached_tokens"] == cached
+        assert t2["kv_bytes"] == (len(PROMPT) - cached) * (first["timing"]["kv_bytes"] // len(PROMPT))
+        assert second["choices"][0]["text"] == first["choices"][0]["text"]
+        if transport == "shm":
+            assert t2["kv_load"]["num_peer_tokens"] == cached and t2["kv_load"]["predicted_peer_s"] > 0
+            assert t2["num_cached_tokens"] == cached  # copied, not computed
+            assert metric(server, 'epdserve_kv_tier_tokens_total{kind="peer"}') == cached
+            # The copied blocks joined the prefill worker's own cache.
+            third = complete(server, PROMPT)
+            assert third["timing"]["num_cached_tokens"] == cached and not third["timing"].get("kv_load")
+        else:
+            assert not t2.get("kv_load") and t2["num_cached_tokens"] == 0
         server.wait_all_blocks_free()
     finally:
         stop_server(server)

@@ -220,6 +220,19 @@ def test_should_load_crossover_with_latency_is_long_runs():
     assert [n for n in range(1, 9) if cost.should_load("host", n, 0)] == [5, 6, 7, 8]
 
 
+def test_should_copy_is_the_same_rule_for_another_workers_pages():
+    # As above: a block is 1/64 s to compute and 2**20 bytes; no tier is needed for a copy.
+    cost = PrefixCost(1 / 1024, 0.0, {}, {}, 1 << 20, 16)
+    assert cost.copy_s(3, 64 * 2**20) == cost.prefill_s(48, 0) == 3 / 64
+    assert not cost.should_copy(3, 64 * 2**20, 0.0, 0)  # a tie computes
+    assert cost.should_copy(3, 64 * 2**20 * 1.001, 0.0, 0)
+    assert not cost.should_copy(3, 128 * 2**20, 1 / 32, 0)  # 3/128 + 1/32 > 3/64
+    assert cost.should_copy(8, 128 * 2**20, 1 / 32, 0)
+    assert not cost.should_copy(0, 1e12, 0.0, 0) and cost.copy_s(0, 1.0) == 0.0
+    with pytest.raises(ValueError):
+        cost.copy_s(1, 0.0)
+
+
 def test_should_load_later_blocks_sooner():
     # With attention, a block late in the prompt costs more to compute than the same block early.
     cost = PrefixCost(0.0, 1e-6, {"disk": 1e6}, {}, 10_000, 16)  # 10 ms per block read
