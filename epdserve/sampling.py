@@ -34,6 +34,9 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     # The llguidance grammar the output must follow (``epdserve.structured``); None: free text
     grammar: str | None = None
+    # The worker's queue order, lower first (``epdserve.service.schedule_key``: the service
+    # class's rank, then vLLM's ``priority``); 0 is an interactive request of priority 0.
+    priority: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

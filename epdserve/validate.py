@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 from epdserve.errors import InvalidRequestError
 from epdserve.sampling import SamplingParams
+from epdserve.service import MAX_PRIORITY, SERVICE_TIERS
+from epdserve.service import resolve as resolve_service
 
 INT64_MIN = -(1 << 63)
 INT64_MAX = (1 << 63) - 1
@@ -94,6 +96,8 @@ class SamplingFields:
     logit_bias: object = None  # {"token id": bias}
     grammar: str | None = None  # from epdserve.structured.grammar_for (already checked)
     max_tokens_name: str = "max_tokens"  # the field max_tokens came from, for error messages
+    service_tier: object = None  # OpenAI's service_tier (epdserve.service.resolve)
+    priority: object = None  # vLLM's priority
 
 
 def longest_token_chars(vocab: Iterable[str]) -> int:
@@ -236,6 +240,14 @@ def _part_chars(part: object, where: str) -> int:
     raise InvalidFieldError(f"{where} must be a content part of type 'text' or 'image_url'", where)
 
 
+def check_service(service_tier: object, priority: object) -> None:
+    """A request's service class fields (``epdserve.service``): a known tier, a bounded integer."""
+    if priority is not None:
+        _int(priority, "priority", -MAX_PRIORITY, MAX_PRIORITY)
+    if service_tier is not None and not (isinstance(service_tier, str) and service_tier in SERVICE_TIERS):
+        raise InvalidFieldError(f"service_tier must be one of {', '.join(SERVICE_TIERS)}", "service_tier")
+
+
 def check_sampling(fields: SamplingFields, limits: RequestLimits) -> None:
     """Every bound that does not depend on the prompt's length."""
     n = 1 if fields.n is None else _int(fields.n, "n", 1, limits.max_n)
@@ -267,6 +279,7 @@ def check_sampling(fields: SamplingFields, limits: RequestLimits) -> None:
     for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
         _bool(getattr(fields, name), name, False)
     check_logit_bias(fields.logit_bias, limits)
+    check_service(fields.service_tier, fields.priority)
     if fields.grammar is not None:
         for name in ("ignore_eos", "min_tokens"):
             if getattr(fields, name):
@@ -361,4 +374,5 @@ def sampling_params(fields: SamplingFields, num_prompt_tokens: int, limits: Requ
         include_stop_str_in_output=_bool(fields.include_stop_str_in_output, "include_stop_str_in_output", False),
         logit_bias=check_logit_bias(fields.logit_bias, limits),
         grammar=fields.grammar,
+        priority=resolve_service(fields.service_tier, fields.priority)[1],
     )

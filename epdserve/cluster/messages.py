@@ -114,6 +114,7 @@ class Timing(msgspec.Struct, omit_defaults=True):
     embed_transfer_s: float = 0.0  # time spent writing embeddings into slabs (summed)
     num_images: int = 0
     num_encoder_cache_hits: int = 0
+    service_class: str = "interactive"  # epdserve.service
 
     def at(self, event: EventType) -> float:
         """When ``event`` happened (0.0: not yet)."""

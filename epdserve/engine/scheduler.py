@@ -100,7 +100,56 @@ class Scheduler:
     # -- queue ---------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self._enqueue(request, ahead_of_equals=False)
+
+    def _enqueue(self, request: Request, ahead_of_equals: bool) -> None:
+        """Into the waiting queue in order of ``sampling.priority`` (lower first,
+        ``epdserve.service``): a new request behind its equals, a preempted one ahead of them.
+        All of one priority (the common case): an append at either end."""
+        key = request.sampling.priority
+        waiting = self.waiting
+        if ahead_of_equals:
+            if not waiting or key <= waiting[0].sampling.priority:
+                waiting.appendleft(request)
+                return
+            i = next((i for i, r in enumerate(waiting) if r.sampling.priority >= key), len(waiting))
+        else:
+            if not waiting or waiting[-1].sampling.priority <= key:
+                waiting.append(request)
+                return
+            i = next(i for i, r in enumerate(waiting) if r.sampling.priority > key)
+        waiting.insert(i, request)
+
+    def _victim_index(self, start: int = 0) -> int:
+        """The running request to preempt among ``running[start:]``: the lowest priority
+        (highest key), the latest admitted of those."""
+        running = self.running
+        best = len(running) - 1
+        for i in range(len(running) - 2, start - 1, -1):
+            if running[i].sampling.priority > running[best].sampling.priority:
+                best = i
+        return best
+
+    def _preempt_for_priority(self, out: SchedulerOutput) -> None:
+        """A waiting request of a higher class or priority than a running one, with no seat or
+        no blocks for its first chunk: the lowest running one is preempted (recomputed later)."""
+        kv = self.kv_cache
+        while self.waiting and self.running:
+            head = self.waiting[0]
+            victim_index = self._victim_index()
+            victim = self.running[victim_index]
+            if victim.sampling.priority <= head.sampling.priority:
+                return
+            if (head.wait_for_request_id is not None and self._is_prompt_pending(head.wait_for_request_id)) \
+                    or head.num_ready_tokens(0) <= 0:
+                return  # it could not start now anyway
+            first_chunk = min(head.num_tokens, self.config.max_num_batched_tokens)
+            if (len(self.running) < self.config.max_num_seqs
+                    and kv.num_free_blocks() >= kv.num_blocks_for(first_chunk + 1)):
+                return
+            self.running.pop(victim_index)
+            self._preempt(victim)
+            out.preempted_ids.append(victim.request_id)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -212,6 +261,9 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        if self.waiting and self.running:
+            self._preempt_for_priority(out)
+        num_priority_preempted = len(out.preempted_ids)
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
@@ -220,7 +272,7 @@ class Scheduler:
                 i += 1
                 continue
             while not self.kv_cache.allocate(request.request_id, request.num_computed_tokens, num_new):
-                victim = self.running.pop()
+                victim = self.running.pop(self._victim_index(i))
                 self._preempt(victim)
                 out.preempted_ids.append(victim.request_id)
                 if victim is request:
@@ -229,7 +281,7 @@ class Scheduler:
                 out.scheduled.append(self._entry(request, num_new))
                 budget -= num_new
                 i += 1
-        if not out.preempted_ids:
+        if len(out.preempted_ids) == num_priority_preempted:  # no block shortage among the running
             self._admit_waiting(out, budget)
         return out
 
@@ -321,7 +373,7 @@ class Scheduler:
         request.num_preemptions += 1
         self.num_preemptions += 1
         request.record(EventType.PREEMPTED)
-        self.waiting.appendleft(request)
+        self._enqueue(request, ahead_of_equals=True)
 
     # -- after the step ------------------------------------------------------------------
     def update(self, out: SchedulerOutput, sampled_token_ids: dict[str, int]) -> list[Request]:

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from epdserve.errors import EpdserveError
 from epdserve.router.admission import DEFAULT_MAX_PENDING, DEFAULT_MAX_WAITING_PER_WORKER
 from epdserve.router.workers import DEFAULT_ROUTING
+from epdserve.service import ClassSLO
 
 TRANSFER_POLICIES = ("fail", "recompute")
 
@@ -27,6 +28,8 @@ class RouterConfig:
     encode_pipelined: bool = True  # prefill may start before all of a request's images are encoded
     routing: str = DEFAULT_ROUTING  # WorkerRegistry.pick's policy (checked there)
     routing_ttft_slo_s: float | None = None  # prefix-aware: the TTFT SLO it routes for (checked there)
+    # SLO per service class (epdserve.service.parse_class_slos): attainment per class in the metrics
+    class_slos: dict[str, ClassSLO] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.transfer_policy not in TRANSFER_POLICIES:

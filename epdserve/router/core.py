@@ -33,6 +33,7 @@ from epdserve.router.metrics import RouterMetrics
 from epdserve.router.path import Mode, RequestHandle
 from epdserve.router.workers import WorkerRegistry
 from epdserve.sampling import SamplingParams
+from epdserve.service import class_of_key
 
 log = logging.getLogger("epdserve.router")
 
@@ -127,7 +128,8 @@ class Router:
         except Overloaded as e:
             self.metrics.rejected.labels(e.rejection.reason).inc()
             raise
-        handle = RequestHandle(request_id, params.n, len(prompt_token_ids))
+        handle = RequestHandle(request_id, params.n, len(prompt_token_ids), service_class=class_of_key(params.priority))
+        handle.timing.service_class = handle.service_class
         handle.timing.record(EventType.ARRIVED, arrived or time.time())
         handle.timing.num_images = len(images)
         flow.handles[request_id] = handle

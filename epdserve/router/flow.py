@@ -396,6 +396,16 @@ class RequestFlow:
         handle.timing.record(EventType.FINISHED, now)
         self.metrics.e2e.observe(now - handle.timing.arrived)
         self.metrics.requests.labels("ok").inc()
+        slo = self.config.class_slos.get(handle.service_class)
+        if slo is None:
+            outcome = "none"
+        else:
+            timing = handle.timing
+            ttft_s = timing.first_token - timing.arrived if timing.first_token else None
+            per_seq = handle.num_output_tokens / max(handle.n, 1)
+            tpot_s = (now - timing.first_token) / (per_seq - 1) if timing.first_token and per_seq > 1 else None
+            outcome = "met" if slo.is_met(ttft_s, tpot_s) else "missed"
+        self.metrics.class_requests.labels(handle.service_class, outcome).inc()
         self.drop_handle(handle)
 
     # -- observations --------------------------------------------------------------------
@@ -417,6 +427,7 @@ class RequestFlow:
         elif handle.last_token_time:
             self.metrics.itl.observe(now - handle.last_token_time)
         handle.last_token_time = now
+        handle.num_output_tokens += len(out.token_ids)
         self.metrics.generation_tokens.inc(len(out.token_ids))
 
     def _observe_kv_load(self, timing: m.Timing, load: m.KVLoad | None) -> None:

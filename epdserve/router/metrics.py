@@ -19,6 +19,9 @@ class RouterMetrics:
         self.e2e = Histogram("epdserve_e2e_request_latency_seconds", "End-to-end request latency", buckets=_LATENCY_BUCKETS, registry=r)
         self.queue_time = Histogram("epdserve_request_queue_time_seconds", "Arrival to prefill start", buckets=_LATENCY_BUCKETS, registry=r)
         self.requests = Counter("epdserve_requests_total", "Finished requests by outcome", ["outcome"], registry=r)
+        self.class_requests = Counter("epdserve_class_requests_total", "Finished requests by service class and "
+                                      "whether they met the class's SLO (met, missed; none: the class has no SLO)",
+                                      ["service_class", "slo"], registry=r)
         self.rejected = Counter("epdserve_requests_rejected_total", "Requests refused at admission", ["reason"], registry=r)
         self.kv_bytes = Counter("epdserve_kv_transfer_bytes_total", "KV bytes moved prefill -> decode, by transport "
                                 "(shm: same node, tcp: across nodes)", ["transport"], registry=r)

@@ -23,6 +23,7 @@ from epdserve.cluster import messages as m
 from epdserve.request import EventType
 from epdserve.router.images import ImageInput
 from epdserve.sampling import SamplingParams
+from epdserve.service import DEFAULT_CLASS
 from epdserve.transfer.slab import SlabRegion
 
 
@@ -61,6 +62,8 @@ class RequestHandle:
     num_finished_outputs: int = 0  # finished sequences the router has seen
     last_token_time: float = 0.0
     first_token_timer: asyncio.TimerHandle | None = None
+    service_class: str = DEFAULT_CLASS  # epdserve.service
+    num_output_tokens: int = 0  # every sequence's, so far
 
     async def events(self) -> AsyncIterator[StreamEvent]:
         async for batch in self.event_batches():

@@ -30,8 +30,8 @@ REFUSED_FIELDS: dict[str, object] = {
 }
 # Fields accepted with no effect by their nature (they label the request, or pick among things
 # this server has one of); documented, and not reported.
-NO_EFFECT_FIELDS = frozenset({"user", "metadata", "store", "guided_decoding_backend", "request_id", "priority",
-                              "service_tier", "parallel_tool_calls"})
+NO_EFFECT_FIELDS = frozenset({"user", "metadata", "store", "guided_decoding_backend", "request_id",
+                              "parallel_tool_calls"})
 
 
 class _Common(BaseModel):
@@ -60,6 +60,9 @@ class _Common(BaseModel):
     include_stop_str_in_output: StrictBool | None = None
     # epdserve extension: server-side timestamps of the request in the response
     return_timing: StrictBool | None = None
+    # service class (epdserve.service): OpenAI's tier, vLLM's priority (lower first)
+    service_tier: StrictStr | None = None
+    priority: StrictInt | None = None
     logit_bias: dict[StrictStr, StrictFloat | StrictInt] | None = None
     # structured outputs (checked by epdserve.structured)
     response_format: dict[str, Any] | None = None
@@ -93,7 +96,8 @@ class _Common(BaseModel):
             repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, logprobs=logprobs, ignore_eos=self.ignore_eos,
             skip_special_tokens=self.skip_special_tokens, include_stop_str_in_output=self.include_stop_str_in_output,
-            logit_bias=self.logit_bias, max_tokens_name=max_tokens_name,
+            logit_bias=self.logit_bias, max_tokens_name=max_tokens_name, service_tier=self.service_tier,
+            priority=self.priority,
         )
 
     @property

@@ -20,6 +20,7 @@ from epdserve.envs import EPDSERVE_API_KEY, get_api_key
 from epdserve.errors import ConfigError
 from epdserve.roles import Role
 from epdserve.router.workers import DEFAULT_ROUTING, ROUTING_POLICIES
+from epdserve.service import parse_class_slos
 from epdserve.transfer.locality import TRANSPORTS
 
 log = logging.getLogger("epdserve.serve")
@@ -65,6 +66,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--routing-ttft-slo", type=float, default=None, metavar="SECONDS",
                    help="prefix-aware: among workers predicted to meet this TTFT, take the one that computes "
                         "the fewest prompt tokens (default: the fastest predicted)")
+    g.add_argument("--service-class-slo", action="append", default=None, metavar="CLASS=ttft:MS[,tpot:MS]",
+                   help="a service class's SLO (classes: realtime, interactive, batch; requests name theirs by "
+                        "service_tier or priority); /metrics counts the requests that met it "
+                        "(epdserve_class_requests_total)")
     g.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every path but /health (default: $EPDSERVE_API_KEY, "
                         "which keeps the key out of process listings)")
@@ -218,7 +223,8 @@ async def serve(ns: argparse.Namespace) -> int:
     threading.Thread(target=served.grammar_tokenizer, name="grammar-tokenizer", daemon=True).start()
     config = RouterConfig(transfer_timeout_s=ns.transfer_timeout, transfer_policy=ns.transfer_policy,
                           max_pending=ns.max_pending, encode_pipelined=not ns.no_encode_pipeline,
-                          routing=ns.routing, routing_ttft_slo_s=ns.routing_ttft_slo, heartbeat_timeout_s=ns.worker_lease,
+                          routing=ns.routing, routing_ttft_slo_s=ns.routing_ttft_slo,
+                          class_slos=parse_class_slos(ns.service_class_slo), heartbeat_timeout_s=ns.worker_lease,
                           step_timeout_s=ns.step_timeout, first_token_timeout_s=ns.first_token_timeout)
     router = Router(key, config, host=router_host, port=ns.router_port)
     await router.start()

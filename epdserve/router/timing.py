@@ -52,6 +52,7 @@ def timing_json(t: Timing) -> dict:
         "encode_end": t.encode_end,
         "num_images": t.num_images,
         "num_encoder_cache_hits": t.num_encoder_cache_hits,
+        "service_class": t.service_class,
         "queue_ms": _ms(queue_end, t.arrived),
         "encode_ms": _ms(t.encode_end, t.encode_start),
         "embed_transfer_ms": round(t.embed_transfer_s * 1e3, 3),

@@ -28,7 +28,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("models",),
     # The base: descriptors, options and plain data every floor uses.
     ("transfer", "auth", "config", "cli_args", "sampling", "validate", "structured", "roles", "request", "errors",
-     "envs", "faults", "gc_heap", ""),
+     "envs", "faults", "gc_heap", "service", ""),
 ]
 BASE = len(LAYERS) - 1
 

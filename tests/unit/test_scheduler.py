@@ -190,3 +190,44 @@ def test_scheduler_module_has_no_torch():
         "sys.exit(1 if 'torch' in sys.modules else 0)"
     )
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+# -- service classes (epdserve/service.py) ---------------------------------------------------
+def test_waiting_requests_go_in_priority_order_then_arrival():
+    from epdserve.service import schedule_key
+
+    s = make(max_seqs=1)
+    batch, inter, rt = schedule_key("batch"), schedule_key("interactive"), schedule_key("realtime")
+    for rid, key in (("b1", batch), ("i1", inter), ("b2", batch), ("r1", rt), ("i2", inter), ("i0", inter - 5)):
+        s.add_request(req(rid, 4, max_tokens=1, priority=key))
+    assert [r.request_id for r in s.waiting] == ["r1", "i0", "i1", "i2", "b1", "b2"]
+    order = [r.request_id for r in run_all(s)]
+    assert order == ["r1", "i0", "i1", "i2", "b1", "b2"]
+
+
+def test_a_waiting_interactive_request_preempts_running_batch_work():
+    from epdserve.service import schedule_key
+
+    s = make(max_seqs=2)
+    for rid in ("b1", "b2"):
+        s.add_request(req(rid, 4, max_tokens=50, priority=schedule_key("batch")))
+    for _ in range(3):
+        run_step(s)
+    assert [r.request_id for r in s.running] == ["b1", "b2"]
+    s.add_request(req("i1", 4, max_tokens=2))  # interactive, priority 0: key 0 < batch's
+    plan, _ = run_step(s)
+    # The latest batch request gives its seat (recomputed later), and i1 starts in this step.
+    assert plan.preempted_ids == ["b2"] and "i1" in [e.request.request_id for e in plan.scheduled]
+    assert [r.request_id for r in s.waiting] == ["b2"] and s.num_preemptions == 1
+    finished = [r.request_id for r in run_all(s)]
+    assert finished[0] == "i1" and sorted(finished) == ["b1", "b2", "i1"]
+    assert s.kv_cache.is_all_free() or s.kv_cache.num_used_blocks() == 0
+
+
+def test_equal_priorities_never_preempt_each_other():
+    s = make(max_seqs=1)
+    s.add_request(req("a", 4, max_tokens=5))
+    run_step(s)
+    s.add_request(req("b", 4, max_tokens=5))
+    plan, _ = run_step(s)
+    assert not plan.preempted_ids and [r.request_id for r in s.running] == ["a"]
