@@ -14,14 +14,19 @@ same rejections for the requests it refuses::
     a consumer's embedding slab is full                   503 embedding_slab_full
     images but nobody can encode them                     503 no_encoder (Retry-After 5)
     the worker cannot be sent the request                 503 unreachable
+    --admission predictive: the request's class has a      429 slo_unreachable
+    TTFT SLO that no worker is predicted to meet            (Retry-After: the excess)
+    (batch work is deferred instead: queued behind the other classes)
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from epdserve.errors import EpdserveError
+from epdserve.service import ClassSLO
 
 if TYPE_CHECKING:
     from epdserve.router.workers import WorkerInfo
@@ -63,6 +68,23 @@ def check_worker_queue(worker: WorkerInfo | None, max_waiting_per_worker: int, r
     if worker.load.num_waiting + worker.num_submitted >= max_waiting_per_worker:
         return Rejection(429, "worker_queue_full", f"worker queues are full ({max_waiting_per_worker})")
     return None
+
+
+ADMISSION_POLICIES = ("queue", "predictive")  # epdserve serve --admission
+
+
+def check_predicted_ttft(service_class: str, predicted_s: float | None, slo: ClassSLO | None) -> Rejection | None:
+    """``--admission predictive``: refuse a request of ``service_class`` whose best predicted
+    TTFT (``WorkerRegistry.predict_ttft``) breaks its class's TTFT SLO; batch work is admitted
+    anyway (deferred: it queues behind the other classes). None: admit."""
+    if slo is None or slo.ttft_s is None or predicted_s is None or predicted_s <= slo.ttft_s:
+        return None
+    if service_class == "batch":
+        return None
+    return Rejection(429, "slo_unreachable",
+                     f"predicted time to first token {predicted_s * 1e3:.0f} ms exceeds the {service_class} class's "
+                     f"TTFT SLO of {slo.ttft_s * 1e3:.0f} ms on every worker",
+                     max(1, math.ceil(predicted_s - slo.ttft_s)))
 
 
 def no_workers(role: str | None = None) -> Rejection:

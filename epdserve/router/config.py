@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from epdserve.errors import EpdserveError
-from epdserve.router.admission import DEFAULT_MAX_PENDING, DEFAULT_MAX_WAITING_PER_WORKER
+from epdserve.router.admission import ADMISSION_POLICIES, DEFAULT_MAX_PENDING, DEFAULT_MAX_WAITING_PER_WORKER
 from epdserve.router.workers import DEFAULT_ROUTING
 from epdserve.service import ClassSLO
 
@@ -30,8 +30,11 @@ class RouterConfig:
     routing_ttft_slo_s: float | None = None  # prefix-aware: the TTFT SLO it routes for (checked there)
     # SLO per service class (epdserve.service.parse_class_slos): attainment per class in the metrics
     class_slos: dict[str, ClassSLO] = field(default_factory=dict)
+    admission: str = "queue"  # "queue" | "predictive" (admission.check_predicted_ttft)
 
     def __post_init__(self) -> None:
+        if self.admission not in ADMISSION_POLICIES:
+            raise EpdserveError(f"admission must be one of {', '.join(ADMISSION_POLICIES)}, got {self.admission!r}")
         if self.transfer_policy not in TRANSFER_POLICIES:
             raise EpdserveError(f"transfer policy must be fail or recompute, got {self.transfer_policy!r}")
         if self.heartbeat_timeout_s <= 0 or self.step_timeout_s <= 0 or self.first_token_timeout_s < 0:

@@ -61,8 +61,12 @@ class RequestFlow:
     # -- starting ------------------------------------------------------------------------
     def start_colocated(self, handle: RequestHandle, prompt: list[int], params: SamplingParams,
                         images: list[ImageInput]) -> None:
-        prompt_blocks = self._prompt_blocks(prompt, images) if self.registry.routing == "prefix-aware" else None
-        worker = self._pick_for_queue(Role.COLOCATED, prompt_blocks)
+        is_predictive = self.config.admission == "predictive"
+        prompt_blocks = (self._prompt_blocks(prompt, images)
+                         if self.registry.routing == "prefix-aware" or is_predictive else None)
+        if is_predictive:
+            self._check_slo(Role.COLOCATED, handle, prompt_blocks, params)
+        worker = self._pick_for_queue(Role.COLOCATED, prompt_blocks if self.registry.routing == "prefix-aware" else None)
         path = Path(handle.request_id, handle, None, prompt, params, Mode.COLOCATED, Phase.RUNNING,
                     colocated=worker.worker_id)
         refs = self.encode.place(path, worker, images) if images else []
@@ -78,6 +82,8 @@ class RequestFlow:
         paths = [Path(path_id, handle, index, prompt, seq_params, Mode.PD)
                  for index, (path_id, seq_params) in enumerate(params.split(handle.request_id))]
         prompt_blocks = self._prompt_blocks(prompt, images)
+        if self.config.admission == "predictive":
+            self._check_slo(Role.PREFILL, handle, prompt_blocks, params)
         for path in paths:
             await self._reserve(path, prompt_blocks, bool(images))
         for path in paths:
@@ -87,7 +93,7 @@ class RequestFlow:
             refs = self.encode.place(path, prefill, images) if images else []
             path.prefill = prefill.worker_id
             path.phase = Phase.PREFILLING
-            prefill.take(path.path_id, len(prompt))
+            prefill.take(path.path_id, len(prompt), params.priority)
             block_ids, generation, num_cached = path.reserved.result() if path.reserved else ([], 0, 0)
             handle.timing.num_decode_cached_tokens = max(handle.timing.num_decode_cached_tokens, num_cached)
             self.metrics.prefix_cached_tokens.labels(Role.DECODE).inc(num_cached)
@@ -102,6 +108,18 @@ class RequestFlow:
     def _prompt_blocks(prompt: list[int], images: list[ImageInput]) -> PromptBlocks:
         """The prompt's blocks by prefix-cache key (images by their content hash)."""
         return PromptBlocks(hash_prompt_ids(prompt, [(i.span.offset, i.span.length, i.content_hash) for i in images]))
+
+    def _check_slo(self, role: str, handle: RequestHandle, prompt_blocks: PromptBlocks,
+                   params: SamplingParams) -> None:
+        """``--admission predictive``: refuse now what no worker of ``role`` is predicted to
+        start within its class's TTFT SLO (``admission.check_predicted_ttft``)."""
+        slo = self.config.class_slos.get(handle.service_class)
+        if slo is None or slo.ttft_s is None:
+            return
+        predicted = self.registry.predict_ttft(role, prompt_blocks, params.priority)
+        rejection = admission.check_predicted_ttft(handle.service_class, predicted, slo)
+        if rejection is not None:
+            raise Overloaded(rejection)
 
     def _pick_for_queue(self, role: str, prompt_blocks: PromptBlocks | None = None) -> WorkerInfo:
         worker = self.registry.pick(role, prompt_blocks)
@@ -132,7 +150,7 @@ class RequestFlow:
     def _add_path(self, path: Path, worker: WorkerInfo, num_prefill_tokens: int) -> None:
         self.paths[path.path_id] = path
         path.handle.paths.append(path)
-        worker.take(path.path_id, num_prefill_tokens)
+        worker.take(path.path_id, num_prefill_tokens, path.params.priority)
 
     def arm_first_token_deadline(self, handle: RequestHandle) -> None:
         if self.config.first_token_timeout_s:

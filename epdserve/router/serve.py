@@ -19,6 +19,7 @@ from epdserve.cluster.ray_cluster import PLACEMENTS
 from epdserve.envs import EPDSERVE_API_KEY, get_api_key
 from epdserve.errors import ConfigError
 from epdserve.roles import Role
+from epdserve.router.admission import ADMISSION_POLICIES
 from epdserve.router.workers import DEFAULT_ROUTING, ROUTING_POLICIES
 from epdserve.service import parse_class_slos
 from epdserve.transfer.locality import TRANSPORTS
@@ -70,6 +71,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                    help="a service class's SLO (classes: realtime, interactive, batch; requests name theirs by "
                         "service_tier or priority); /metrics counts the requests that met it "
                         "(epdserve_class_requests_total)")
+    g.add_argument("--admission", choices=ADMISSION_POLICIES, default="queue",
+                   help="queue: refuse only at the queue bounds (429) and KV bounds (503); predictive: also refuse "
+                        "at once (429 slo_unreachable, Retry-After) a request of a class with a TTFT SLO that no "
+                        "worker is predicted to meet from what is queued there (batch work is deferred instead)")
     g.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every path but /health (default: $EPDSERVE_API_KEY, "
                         "which keeps the key out of process listings)")
@@ -224,7 +229,8 @@ async def serve(ns: argparse.Namespace) -> int:
     config = RouterConfig(transfer_timeout_s=ns.transfer_timeout, transfer_policy=ns.transfer_policy,
                           max_pending=ns.max_pending, encode_pipelined=not ns.no_encode_pipeline,
                           routing=ns.routing, routing_ttft_slo_s=ns.routing_ttft_slo,
-                          class_slos=parse_class_slos(ns.service_class_slo), heartbeat_timeout_s=ns.worker_lease,
+                          class_slos=parse_class_slos(ns.service_class_slo), admission=ns.admission,
+                          heartbeat_timeout_s=ns.worker_lease,
                           step_timeout_s=ns.step_timeout, first_token_timeout_s=ns.first_token_timeout)
     router = Router(key, config, host=router_host, port=ns.router_port)
     await router.start()

@@ -13,6 +13,7 @@ from epdserve.engine.reload_rule import PRIOR_PREFILL_S_PER_TOKEN
 from epdserve.errors import ConfigError
 from epdserve.roles import Role
 from epdserve.router.prefix_index import TIERS, Candidate, PrefixCost, PrefixIndex, choose, score
+from epdserve.service import DEFAULT_KEY
 
 
 class WorkerState(str, Enum):
@@ -44,6 +45,8 @@ class WorkerInfo:
     # Requests in hand whose prompt this worker has not finished prefilling: prompt tokens.
     prefill_tokens: dict[str, int] = field(default_factory=dict)
     num_prefill_tokens: int = 0  # their sum
+    # Of them, those not of the default scheduling key (epdserve.service): request id -> key.
+    prefill_keys: dict[str, int] = field(default_factory=dict)
     last_reconcile: float = 0.0  # monotonic seconds: when a Reconcile was last sent (SUSPECT)
     # Read on every routing decision (a simulated cluster of a hundred instances makes millions):
     # plain attributes, copied from the registration.
@@ -79,17 +82,29 @@ class WorkerInfo:
         """A consumer with an in-process vision encoder (takes images inline)."""
         return self.registration.can_encode
 
-    def take(self, request_id: str, num_prompt_tokens: int = 0) -> None:
-        """A request sent to this worker; ``num_prompt_tokens`` > 0 when it prefills here."""
+    def take(self, request_id: str, num_prompt_tokens: int = 0, key: int = DEFAULT_KEY) -> None:
+        """A request sent to this worker; ``num_prompt_tokens`` > 0 when it prefills here, in
+        the queue order ``key`` (``SamplingParams.priority``)."""
         self.request_ids.add(request_id)
         self.num_submitted += 1
         if num_prompt_tokens > 0:
             self.prefill_tokens[request_id] = num_prompt_tokens
             self.num_prefill_tokens += num_prompt_tokens
+            if key != DEFAULT_KEY:
+                self.prefill_keys[request_id] = key
+
+    def prefill_tokens_ahead(self, key: int = DEFAULT_KEY) -> int:
+        """Prompt tokens to prefill here before a new request of queue order ``key`` (those of
+        its order or ahead of it: the worker takes its waiting requests by key)."""
+        if not self.prefill_keys:
+            return self.num_prefill_tokens if key >= DEFAULT_KEY else 0
+        keys = self.prefill_keys
+        return sum(n for rid, n in self.prefill_tokens.items() if keys.get(rid, DEFAULT_KEY) <= key)
 
     def prefilled(self, request_id: str) -> None:
         """Its first token came back: the prompt is no longer work ahead of new requests."""
         self.num_prefill_tokens -= self.prefill_tokens.pop(request_id, 0)
+        self.prefill_keys.pop(request_id, None)
 
     def drop(self, request_id: str) -> None:
         self.request_ids.discard(request_id)
@@ -243,6 +258,23 @@ class WorkerRegistry:
                                 prompt.num_tokens, cost))
         chosen = choose(scores, prompt.ttft_slo_s if prompt.ttft_slo_s is not None else self.ttft_slo_s)
         return self.workers[chosen.worker_id]
+
+    def predict_ttft(self, role: str, prompt: PromptBlocks, key: int = DEFAULT_KEY) -> float | None:
+        """The smallest predicted time to first token of ``prompt`` over the ready workers of
+        ``role`` (``prefix_index.score``: prefill queued ahead of a request of queue order
+        ``key``, loads, compute of the uncached rest); None without such workers. Admission
+        (``admission.check_predicted_ttft``) reads it."""
+        best = None
+        index = self.prefix_index
+        for w in self.workers.values():
+            if w.role != role or not w.is_ready:
+                continue
+            cost = w.prefix_cost
+            queued_s = cost.per_prefill_token_s * w.prefill_tokens_ahead(key)
+            s = score(index, Candidate(w.worker_id, queued_s), prompt.hashes(cost.block_size), prompt.num_tokens, cost)
+            if best is None or s.predicted_ttft_s < best:
+                best = s.predicted_ttft_s
+        return best
 
     def pick_least_loaded(self, role: str) -> WorkerInfo | None:
         """The ready worker of ``role`` with the fewest prompt tokens still to prefill, then the

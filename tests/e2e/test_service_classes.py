@@ -65,3 +65,40 @@ def test_interactive_overtakes_batch_on_one_worker(tmp_path):
         server.wait_all_blocks_free()
     finally:
         stop_server(server)
+
+
+def test_predictive_admission_refuses_what_cannot_meet_its_slo(tmp_path):
+    """With realtime prompts queued on the only worker, an interactive request with a tight TTFT
+    SLO is refused at once (429, the reason, Retry-After); a realtime one, whose SLO the queue
+    leaves room for, is admitted, and batch work is deferred rather than refused."""
+    server = start_server(SMALL + ["--colocated-workers", "1", "--admission", "predictive",
+                                   "--service-class-slo", "interactive=ttft:200",
+                                   "--service-class-slo", "realtime=ttft:30000",
+                                   "--service-class-slo", "batch=ttft:1"], str(tmp_path))
+    try:
+        long_prompt = [(11 * i) % 3000 + 200 for i in range(900)]
+        # An idle worker: the same interactive request is predicted to meet 200 ms (the prior
+        # 0.5 ms per token or the measured rate, for 8 tokens) and admitted.
+        assert _post(server.url, {"prompt": "Hello there", "max_tokens": 2}).status_code == 200
+        # Realtime prompts queued: work ahead of any new request.
+        fillers = [threading.Thread(target=_post, args=(server.url, {"prompt": long_prompt, "max_tokens": 4,
+                                                                     "service_tier": "priority"}))
+                   for _ in range(3)]
+        for t in fillers:
+            t.start()
+        server.wait_until(lambda: server.workers()[0]["load"]["num_requests"] >= 3, 30, "the fillers to queue")
+        refused = _post(server.url, {"prompt": "Hello there", "max_tokens": 2})
+        assert refused.status_code == 429, refused.text
+        error = refused.json()["error"]
+        assert "interactive class's TTFT SLO of 200 ms" in error["message"] and int(refused.headers["Retry-After"]) >= 1
+        realtime = _post(server.url, {"prompt": "Hello there", "max_tokens": 2, "service_tier": "priority"})
+        assert realtime.status_code == 200, realtime.text
+        batch = _post(server.url, {"prompt": "Hello there", "max_tokens": 2, "priority": 3})
+        assert batch.status_code == 200 and batch.json()["timing"]["service_class"] == "batch"
+        for t in fillers:
+            t.join(180)
+        metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
+        assert 'epdserve_requests_rejected_total{reason="slo_unreachable"} 1.0' in metrics
+        server.wait_all_blocks_free()
+    finally:
+        stop_server(server)
