@@ -45,6 +45,9 @@ class Register(Msg):
     # and the tiers below its pool it reads.
     kv_bytes_per_block: Annotated[int, msgspec.Meta(ge=0)] = 0
     kv_tiers: list[TierCost] = []
+    # Prompt tokens one step takes at most (0: not said): admission's bound on the lower-class
+    # work a step in flight may hold (router/workers.py ``prefill_tokens_ahead``).
+    max_num_batched_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0
 
 
 class TierCost(msgspec.Struct, array_like=True):

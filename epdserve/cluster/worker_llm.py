@@ -105,6 +105,7 @@ class LLMWorker(WorkerBase):
             slab=self.images.endpoint if self.images else None,
             can_encode=self.images is not None and self.images.can_encode,
             kv_bytes_per_block=self.engine.bytes_per_block, kv_tiers=self._tier_costs(),
+            max_num_batched_tokens=cfg.scheduler.max_num_batched_tokens,
         )
 
     def _tier_costs(self) -> list[m.TierCost]:

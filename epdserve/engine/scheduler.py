@@ -12,6 +12,7 @@ prefix cache).
 
 from __future__ import annotations
 
+import sys
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -264,11 +265,15 @@ class Scheduler:
         if self.waiting and self.running:
             self._preempt_for_priority(out)
         num_priority_preempted = len(out.preempted_ids)
+        # Prompt work of a lower class than the most urgent prompt waits while that one's runs:
+        # its prefill chunks would lengthen the urgent request's steps (its time to first token).
+        urgent_key = self._most_urgent_prompt_key()
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = self._num_tokens_to_compute(request, budget)
-            if num_new == 0:
+            if num_new == 0 or (request.sampling.priority > urgent_key
+                                and request.num_computed_tokens < request.num_prompt_tokens):
                 i += 1
                 continue
             while not self.kv_cache.allocate(request.request_id, request.num_computed_tokens, num_new):
@@ -282,13 +287,33 @@ class Scheduler:
                 budget -= num_new
                 i += 1
         if len(out.preempted_ids) == num_priority_preempted:  # no block shortage among the running
-            self._admit_waiting(out, budget)
+            self._admit_waiting(out, budget, urgent_key)
         return out
 
-    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+    def _most_urgent_prompt_key(self) -> int:
+        """The smallest queue key of a prompt that can be computed now: the waiting head (when
+        it can start) or a running request still in its prompt; ``sys.maxsize`` for none."""
+        key = sys.maxsize
+        if self.waiting:
+            head = self.waiting[0]
+            if not (head.wait_for_request_id is not None and self._is_prompt_pending(head.wait_for_request_id)) \
+                    and head.num_ready_tokens(0) > 0:
+                key = head.sampling.priority
+        for request in self.running:
+            if request.sampling.priority < key and request.num_computed_tokens < request.num_prompt_tokens:
+                key = request.sampling.priority
+        return key
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int, urgent_key: int = sys.maxsize) -> None:
+        """Start waiting requests in queue order while the step has budget and seats; one of a
+        lower class than ``urgent_key``'s (the most urgent prompt) waits for a step without it."""
         blocked: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
+            if request.sampling.priority > urgent_key and any(
+                    e.start_pos < e.request.num_prompt_tokens and e.request.sampling.priority <= urgent_key
+                    for e in out.scheduled):
+                break
             leader = request.wait_for_request_id
             if leader is not None and self._is_prompt_pending(leader):
                 blocked.append(self.waiting.popleft())

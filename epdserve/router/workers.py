@@ -94,12 +94,17 @@ class WorkerInfo:
                 self.prefill_keys[request_id] = key
 
     def prefill_tokens_ahead(self, key: int = DEFAULT_KEY) -> int:
-        """Prompt tokens to prefill here before a new request of queue order ``key`` (those of
-        its order or ahead of it: the worker takes its waiting requests by key)."""
-        if not self.prefill_keys:
-            return self.num_prefill_tokens if key >= DEFAULT_KEY else 0
+        """Prompt tokens to prefill here before a new request of queue order ``key``: those of
+        its order or ahead of it (the worker takes its waiting requests by key), and of the
+        rest at most one step's worth (the step in flight may hold them; a worker that did not
+        say its step size: all of them)."""
+        if not self.prefill_keys and key >= DEFAULT_KEY:
+            return self.num_prefill_tokens
         keys = self.prefill_keys
-        return sum(n for rid, n in self.prefill_tokens.items() if keys.get(rid, DEFAULT_KEY) <= key)
+        ahead = sum(n for rid, n in self.prefill_tokens.items() if keys.get(rid, DEFAULT_KEY) <= key)
+        behind = self.num_prefill_tokens - ahead
+        step = self.registration.max_num_batched_tokens
+        return ahead + (min(behind, step) if step else behind)
 
     def prefilled(self, request_id: str) -> None:
         """Its first token came back: the prompt is no longer work ahead of new requests."""

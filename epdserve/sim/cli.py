@@ -14,6 +14,7 @@ import msgspec
 
 from epdserve.errors import ConfigError, EpdserveError
 from epdserve.router.workers import DEFAULT_ROUTING, ROUTING_POLICIES
+from epdserve.service import parse_class_slos
 
 
 def add_workload_args(p: argparse.ArgumentParser) -> None:
@@ -49,6 +50,13 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
                    help="router: the routing policy (as epdserve serve --routing)")
     c.add_argument("--routing-ttft-slo", type=float, default=None, metavar="SECONDS",
                    help="router: prefix-aware routing's TTFT SLO (as epdserve serve --routing-ttft-slo)")
+    c.add_argument("--class-mix", default=None, metavar="CLASS=SHARE,...",
+                   help="service classes of the requests, drawn at random (e.g. realtime=0.1,interactive=0.6,"
+                        "batch=0.3; default: all interactive)")
+    c.add_argument("--service-class-slo", action="append", default=None, metavar="CLASS=ttft:MS[,tpot:MS]",
+                   help="router: a class's SLO (as epdserve serve); attainment per class in the result")
+    c.add_argument("--admission", choices=("queue", "predictive"), default="queue",
+                   help="router: the admission policy (as epdserve serve --admission)")
     c.add_argument("--kv-host-tier-gib", type=float, default=0.0,
                    help="KV host-memory tier below the pools, per host (as epdserve serve; 0: none)")
     c.add_argument("--kv-disk-tier-gib", type=float, default=0.0, help="KV disk tier per host (0: none)")
@@ -128,6 +136,23 @@ def build_workload(ns: argparse.Namespace, num_images: int | None = None, tiles:
     raise ConfigError(f"--workload must be 'random' or 'trace FILE', got {kind!r}")
 
 
+def parse_class_mix(spec: str | None) -> dict[str, float]:
+    """``CLASS=SHARE,...`` (``--class-mix``) -> share per class."""
+    mix: dict[str, float] = {}
+    for part in (spec or "").split(","):
+        if not part:
+            continue
+        name, sep, share = part.partition("=")
+        try:
+            value = float(share)
+        except ValueError:
+            value = -1.0
+        if not sep or name in mix or not 0 <= value < math.inf:
+            raise ConfigError(f"--class-mix takes CLASS=SHARE,... with shares >= 0, got {spec!r}")
+        mix[name] = value
+    return mix
+
+
 def sim_config_kwargs(ns: argparse.Namespace) -> dict:
     """SimConfig fields from the cluster flags (all but topology and max_num_seqs)."""
     from epdserve.router.admission import DEFAULT_MAX_PENDING, DEFAULT_MAX_WAITING_PER_WORKER
@@ -148,6 +173,10 @@ def sim_config_kwargs(ns: argparse.Namespace) -> dict:
         "instances_per_host": ns.instances_per_host,
         "routing": ns.routing,
         "routing_ttft_slo_s": ns.routing_ttft_slo,
+        "class_mix": parse_class_mix(ns.class_mix),
+        "class_seed": getattr(ns, "seed", 0),
+        "class_slos": parse_class_slos(ns.service_class_slo),
+        "admission": ns.admission,
         "kv_host_tier_gib": ns.kv_host_tier_gib,
         "kv_disk_tier_gib": ns.kv_disk_tier_gib,
         "kv_tier_bytes_per_s": {t: gbps * 1e9 for t, gbps in (("host", ns.kv_host_tier_read_gbps),

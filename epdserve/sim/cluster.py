@@ -17,9 +17,16 @@ from __future__ import annotations
 
 from epdserve.engine.step_shape import StepShape
 from epdserve.request import EventType, MMInput, Request
-from epdserve.router.admission import Rejection, check_pending, check_worker_queue, reservation_refused
+from epdserve.router.admission import (
+    Rejection,
+    check_pending,
+    check_predicted_ttft,
+    check_worker_queue,
+    reservation_refused,
+)
 from epdserve.router.workers import PromptBlocks
 from epdserve.sampling import SamplingParams
+from epdserve.service import DEFAULT_KEY, SERVICE_CLASSES, schedule_key
 from epdserve.sim import fastforward
 from epdserve.sim.config import SimConfig
 from epdserve.sim.instance import EncodeInstance, StepInstance
@@ -40,10 +47,11 @@ class ClusterSim(SimLoop):
     def _reject(self, index: int, num_prompt: int, rejection: Rejection) -> None:
         self.recorder.fail(index, self.now, num_prompt, f"{rejection.status} {rejection.message}", self.now)
 
-    def _sampling(self, max_tokens: int) -> SamplingParams:
-        params = self._params.get(max_tokens)
+    def _sampling(self, max_tokens: int, key: int = DEFAULT_KEY) -> SamplingParams:
+        params = self._params.get((max_tokens, key))
         if params is None:
-            params = self._params[max_tokens] = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+            params = self._params[max_tokens, key] = SamplingParams(max_tokens=max_tokens, ignore_eos=True,
+                                                                     priority=key)
         return params
 
     def _on_arrival(self, index: int) -> None:
@@ -64,12 +72,23 @@ class ClusterSim(SimLoop):
         if self.num_image_tokens:
             prompt = [DUMMY_TOKEN_ID] * self.num_image_tokens + prompt
         prompt_blocks = PromptBlocks(prompt) if self.is_prefix_aware else None
+        service_class = SERVICE_CLASSES[self.class_ids[index]]
+        key = schedule_key(service_class)
+        if config.admission == "predictive":  # the router's rule (flow.py _check_slo)
+            slo = config.class_slos.get(service_class)
+            if slo is not None and slo.ttft_s is not None:
+                predicted = self.registry.predict_ttft("prefill" if self.is_split else "colocated",
+                                                       prompt_blocks or PromptBlocks(prompt), key)
+                rejection = check_predicted_ttft(service_class, predicted, slo)
+                if rejection is not None:
+                    return self._reject(index, num_prompt, rejection)
         first = self._pick("decode" if self.is_split else "colocated", prompt_blocks)
         rejection = check_worker_queue(first.worker, config.max_waiting_per_worker)
         if rejection is not None:
             return self._reject(index, num_prompt, rejection)
         flight = Flight(index, now, num_prompt, num_output, prompt)
         flight.prompt_blocks = prompt_blocks
+        flight.key = key
         blocks = None
         answer_at = None  # when a busy decode instance answers the reservation
         if self.is_split:
@@ -125,12 +144,12 @@ class ClusterSim(SimLoop):
         rid, prompt, arrival = flight.request_id, flight.prompt, flight.arrived
         if self.is_split:
             target = flight.prefill = self._pick("prefill", flight.prompt_blocks)
-            request = Request(rid, prompt, self._prefill_params, arrival_time=arrival, hold_kv_for_transfer=True,
+            request = Request(rid, prompt, self._sampling(1, flight.key), arrival_time=arrival, hold_kv_for_transfer=True,
                               kv_target=flight.decode.worker.worker_id, kv_target_block_ids=blocks)
         else:
             target = flight.colocated
-            request = Request(rid, prompt, self._sampling(flight.num_output), arrival_time=arrival)
-        target.worker.take(rid, len(prompt))
+            request = Request(rid, prompt, self._sampling(flight.num_output, flight.key), arrival_time=arrival)
+        target.worker.take(rid, len(prompt), flight.key)
         request.record(EventType.ARRIVED, arrival)
         if self.num_image_tokens:
             self._submit_images(flight, request)
@@ -287,7 +306,8 @@ class ClusterSim(SimLoop):
         if flight.num_output == 1:
             decode.scheduler.release_reservation(rid)
         else:
-            request = Request(rid, flight.prompt, self._sampling(flight.num_output), arrival_time=flight.arrived)
+            request = Request(rid, flight.prompt, self._sampling(flight.num_output, flight.key),
+                              arrival_time=flight.arrived)
             request.output_token_ids.append(DUMMY_TOKEN_ID)
             request.record(EventType.ARRIVED, self.now)
             decode.scheduler.add_prefilled(request)

@@ -5,8 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from epdserve.errors import ConfigError
-from epdserve.router.admission import DEFAULT_MAX_PENDING, DEFAULT_MAX_WAITING_PER_WORKER
+from epdserve.router.admission import ADMISSION_POLICIES, DEFAULT_MAX_PENDING, DEFAULT_MAX_WAITING_PER_WORKER
 from epdserve.router.workers import DEFAULT_ROUTING
+from epdserve.service import SERVICE_CLASSES, ClassSLO
 from epdserve.sim.instance import SHM_BYTES_PER_S
 from epdserve.sim.topology import Topology
 
@@ -35,6 +36,13 @@ class SimConfig:
     kv_host_tier_gib: float = 0.0
     kv_disk_tier_gib: float = 0.0
     kv_tier_bytes_per_s: dict[str, float] = field(default_factory=dict)
+    # Service classes (epdserve.service): each request's class drawn from ``class_mix`` (share
+    # per class; empty: every request interactive) with ``class_seed``; SLOs per class, and the
+    # router's admission policy (as serve --service-class-slo, --admission).
+    class_mix: dict[str, float] = field(default_factory=dict)
+    class_seed: int = 0
+    class_slos: dict[str, ClassSLO] = field(default_factory=dict)
+    admission: str = "queue"
 
     @property
     def has_kv_tiers(self) -> bool:
@@ -54,6 +62,10 @@ class SimConfig:
             (not self.has_kv_tiers or self.enable_prefix_caching, "the KV tiers below the pool need prefix caching"),
             (all(t in ("host", "disk") and v > 0 for t, v in self.kv_tier_bytes_per_s.items()),
              f"KV tier bandwidths must be host or disk, > 0: {self.kv_tier_bytes_per_s}"),
+            (all(c in SERVICE_CLASSES and v >= 0 for c, v in self.class_mix.items())
+             and (not self.class_mix or sum(self.class_mix.values()) > 0),
+             f"class mix takes shares >= 0 of {', '.join(SERVICE_CLASSES)}, not all 0: {self.class_mix}"),
+            (self.admission in ADMISSION_POLICIES, f"admission must be one of {', '.join(ADMISSION_POLICIES)}"),
         ]
         for ok, message in checks:
             if not ok:

@@ -113,6 +113,7 @@ class StepInstance:
         self.worker = WorkerInfo(m.Register(
             worker_id, self.role, pid=0, host="sim", model_name=model_name, max_model_len=max_model_len,
             num_kv_blocks=profile.num_kv_blocks, block_size=block_size, node=node, kv_bytes_per_block=bytes_per_block,
+            max_num_batched_tokens=profile.max_num_batched_tokens,
             kv_tiers=[m.TierCost(t, c[0], c[1]) for t, c in tiers.items()] if store is not None else []))
         self.worker.load = self.load()
         self.is_busy = False

@@ -20,9 +20,12 @@ from __future__ import annotations
 import heapq
 from time import perf_counter
 
+import numpy as np
+
 from epdserve.errors import ConfigError
 from epdserve.router.workers import PromptBlocks, WorkerRegistry
 from epdserve.sampling import SamplingParams
+from epdserve.service import DEFAULT_CLASS, SERVICE_CLASSES
 from epdserve.sim import fastforward
 from epdserve.sim.config import SimConfig, SimStats
 from epdserve.sim.cost_model import CostModel
@@ -84,8 +87,8 @@ class SimLoop:
         self.now = 0.0
         self.stats = SimStats()
         self._filler = workload.make_filler()
-        self._params: dict[int, SamplingParams] = {}
-        self._prefill_params = SamplingParams(max_tokens=1, ignore_eos=True)
+        self._params: dict[tuple[int, int], SamplingParams] = {}
+        self.class_ids = self._draw_classes()  # per request, an index into SERVICE_CLASSES
 
     def _add_instance(self, role: str, worker_id: str) -> None:
         cost, config = self.cost, self.config
@@ -110,6 +113,36 @@ class SimLoop:
         if self.is_prefix_aware and role != "encode":
             inst.kv_cache.record_events()
         self.by_worker_id[worker_id] = inst
+
+    def _draw_classes(self) -> np.ndarray:
+        mix, n = self.config.class_mix, len(self.workload)
+        if not mix:
+            return np.full(n, SERVICE_CLASSES.index(DEFAULT_CLASS), dtype=np.int8)
+        shares = np.array([mix.get(c, 0.0) for c in SERVICE_CLASSES], dtype=float)
+        rng = np.random.default_rng(self.config.class_seed)
+        return rng.choice(len(SERVICE_CLASSES), size=n, p=shares / shares.sum()).astype(np.int8)
+
+    def class_summary(self) -> dict:
+        """Per service class: requests, those refused at admission, and of the admitted ones
+        those that met the class's SLO (``ClassSLO``; None without one)."""
+        rec, out = self.recorder, {}
+        for ci, name in enumerate(SERVICE_CLASSES):
+            idx = np.flatnonzero(self.class_ids == ci)
+            if not len(idx):
+                continue
+            refused = sum(1 for i in idx if rec.errors.get(int(i), "").startswith("429"))
+            ok = idx[rec.is_ok[idx]]
+            slo = self.config.class_slos.get(name)
+            met = None
+            if slo is not None:
+                tpots = np.where(rec.output_len[ok] > 1, (rec.latency[ok] - rec.ttft[ok])
+                                 / np.maximum(rec.output_len[ok] - 1, 1), 0.0)
+                met = int(sum(slo.is_met(float(t), float(p) if n > 1 else None)
+                              for t, p, n in zip(rec.ttft[ok], tpots, rec.output_len[ok])))
+            out[name] = {"num_requests": int(len(idx)), "num_refused": refused, "num_completed": int(len(ok)),
+                         "num_slo_met": met,
+                         "attainment_of_completed": (met / len(ok) if met is not None and len(ok) else None)}
+        return out
 
     def _kv_tier_costs(self) -> dict[str, tuple[float, float]]:
         """tier -> (read bytes per second, seconds per load) of each tier with a size: the
@@ -244,6 +277,7 @@ class SimLoop:
             "num_events": self.stats.num_events,
             "sim_end_s": self.stats.sim_end_s,
             "roles": role_summary(self.instances, self.stats.sim_end_s),
+            "service_classes": self.class_summary(),
             **({"kv_tiers": self._tier_summary()} if self.stores else {}),
         }
 

@@ -59,6 +59,7 @@ class Flight:
         "prefill",
         "prompt",
         "prompt_blocks",
+        "key",
         "request_id",
         "token_times",
     )
@@ -72,6 +73,7 @@ class Flight:
         self.num_output = num_output
         self.prompt = prompt
         self.prompt_blocks = None  # router/workers.py PromptBlocks (prefix-aware routing)
+        self.key = 0  # queue order (epdserve.service.schedule_key; 0: interactive)
         self.kv_exposed_s = 0.0  # KV transfer still in flight when the prefill step ended (a duration)
         self.kv_sent = 0  # prompt tokens whose KV is queued on the prefill instance's link
         self.token_times: list[float] | None = None  # detail requests only

@@ -457,21 +457,26 @@ def test_predicted_ttft_counts_only_the_work_queued_ahead_of_the_class():
     from epdserve.router.admission import check_predicted_ttft
     from epdserve.service import ClassSLO, schedule_key
 
-    registry = _registry("colocated", 2)
+    registry = WorkerRegistry("least-prefill")
+    for i in range(2):  # steps of at most 256 prompt tokens
+        registry.add(WorkerInfo(m.Register(f"w{i}", "colocated", 0, "h", "model", 1024, 100, 4,
+                                           max_num_batched_tokens=256)))
     prompt = PromptBlocks(list(range(41)))
     w0, w1 = registry.get("w0"), registry.get("w1")
     w0.take("rt", 400, schedule_key("realtime"))
     w0.take("b", 1000, schedule_key("batch"))
     w1.take("i", 600)
     per_token = 5e-4  # PRIOR_PREFILL_S_PER_TOKEN: no measured rate yet
-    assert w0.prefill_tokens_ahead(schedule_key("realtime")) == 400
-    assert w0.prefill_tokens_ahead() == 400 and w1.prefill_tokens_ahead() == 600
+    # Work of its class or ahead of it, and of the rest one step's worth (the step in flight).
+    assert w0.prefill_tokens_ahead(schedule_key("realtime")) == 400 + 256
+    assert w0.prefill_tokens_ahead() == 400 + 256 and w1.prefill_tokens_ahead() == 600
     assert w0.prefill_tokens_ahead(schedule_key("batch")) == 1400
-    assert registry.predict_ttft("colocated", prompt) == pytest.approx(per_token * (400 + 41))
-    assert registry.predict_ttft("colocated", prompt, schedule_key("realtime")) == pytest.approx(per_token * 41)
+    assert w1.prefill_tokens_ahead(schedule_key("realtime")) == 256
+    assert registry.predict_ttft("colocated", prompt) == pytest.approx(per_token * (600 + 41))
+    assert registry.predict_ttft("colocated", prompt, schedule_key("realtime")) == pytest.approx(per_token * (256 + 41))
     assert registry.predict_ttft("decode", prompt) is None
     w0.prefilled("rt")
-    assert w0.prefill_tokens_ahead() == 0 and w0.prefill_tokens_ahead(schedule_key("batch")) == 1000
+    assert w0.prefill_tokens_ahead() == 256 and w0.prefill_tokens_ahead(schedule_key("batch")) == 1000
 
     slo = ClassSLO(ttft_s=0.1)
     assert check_predicted_ttft("interactive", 0.05, slo) is None

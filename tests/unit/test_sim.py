@@ -434,3 +434,24 @@ def test_kv_tiers_in_the_simulator_demote_to_disk_and_need_measured_bandwidth(tm
     bad = {**profile, "kv_tiers": {"host": {"bytes_per_s": -1.0, "latency_s": 0.0}}}
     with pytest.raises(ConfigError, match="bytes_per_s"):
         CostModel.from_dict(bad)
+
+
+def test_predictive_admission_and_service_classes_in_the_simulator():
+    """The router's admission rule and the workers' class order, simulated: at ~2x overload the
+    queue bound admits everything and most interactive requests miss a 1 s TTFT; predictive
+    admission refuses the ones predicted to miss, and the admitted ones meet it. Batch work is
+    admitted either way (deferred)."""
+    from epdserve.service import ClassSLO
+
+    # One instance; 200 prompts of 200 tokens: 0.21 s of prefill each (base 0.01 + 1 ms/token), at 8 req/s.
+    w = fixed_workload(np.arange(200) / 8.0, [200] * 200, [2] * 200)
+    slos = {"interactive": ClassSLO(ttft_s=1.0), "batch": ClassSLO(ttft_s=1.0)}
+    mix = {"interactive": 0.8, "batch": 0.2}
+    runs = {policy: run(profile_dict(), "colocated=1", w, class_mix=mix, class_slos=slos, admission=policy)[0]
+            for policy in ("queue", "predictive")}
+    queue, predictive = (runs[p].summary()["service_classes"] for p in ("queue", "predictive"))
+    assert queue["interactive"]["num_refused"] == 0 and queue["interactive"]["attainment_of_completed"] < 0.5
+    assert predictive["interactive"]["num_refused"] > 0
+    assert predictive["interactive"]["attainment_of_completed"] >= 0.9
+    assert predictive["batch"]["num_refused"] == 0  # deferred, not refused
+    assert queue["interactive"]["num_requests"] == predictive["interactive"]["num_requests"] > 100
