@@ -21,6 +21,8 @@ Plain Python: the router, the workers' scheduler and the simulator read it.
 
 from __future__ import annotations
 
+import math
+import random
 from dataclasses import dataclass
 
 from epdserve.errors import ConfigError
@@ -28,6 +30,7 @@ from epdserve.errors import ConfigError
 SERVICE_CLASSES = ("realtime", "interactive", "batch")  # scheduled in this order
 DEFAULT_CLASS = "interactive"
 SERVICE_TIERS = {"priority": "realtime", "default": "interactive", "auto": "interactive", "flex": "batch"}
+TIER_OF_CLASS = {"realtime": "priority", "interactive": "default", "batch": "flex"}  # what a client sends
 # ``priority`` in [-MAX_PRIORITY, MAX_PRIORITY]; a class's rank is worth more than any of it.
 MAX_PRIORITY = 1_000_000
 _RANK_SPAN = 2 * MAX_PRIORITY + 1
@@ -95,3 +98,31 @@ def parse_class_slos(specs: list[str] | None) -> dict[str, ClassSLO]:
             raise ConfigError(f"--service-class-slo names {name} twice")
         slos[name] = ClassSLO(values.get("ttft"), values.get("tpot"))
     return slos
+
+
+def parse_class_mix(spec: str | None) -> dict[str, float]:
+    """``CLASS=SHARE,...`` (``--class-mix``, ``--service-class-mix``) -> share per class."""
+    mix: dict[str, float] = {}
+    for part in (spec or "").split(","):
+        if not part:
+            continue
+        name, sep, share = part.partition("=")
+        try:
+            value = float(share)
+        except ValueError:
+            value = -1.0
+        if not sep or name not in SERVICE_CLASSES or name in mix or not 0 <= value < math.inf:
+            raise ConfigError(f"a class mix is CLASS=SHARE,... with CLASS one of {', '.join(SERVICE_CLASSES)} "
+                              f"and shares >= 0, got {spec!r}")
+        mix[name] = value
+    if mix and not sum(mix.values()) > 0:
+        raise ConfigError(f"a class mix needs a share > 0, got {spec!r}")
+    return mix
+
+
+def draw_classes(mix: dict[str, float], n: int, seed: int) -> list[str]:
+    """Each of ``n`` requests' class, drawn with the shares of ``mix`` (empty: all the default)."""
+    if not mix:
+        return [DEFAULT_CLASS] * n
+    names = [c for c in SERVICE_CLASSES if mix.get(c, 0.0) > 0]
+    return random.Random(seed).choices(names, weights=[mix[c] for c in names], k=n)

@@ -14,7 +14,7 @@ import msgspec
 
 from epdserve.errors import ConfigError, EpdserveError
 from epdserve.router.workers import DEFAULT_ROUTING, ROUTING_POLICIES
-from epdserve.service import parse_class_slos
+from epdserve.service import parse_class_mix, parse_class_slos
 
 
 def add_workload_args(p: argparse.ArgumentParser) -> None:
@@ -134,23 +134,6 @@ def build_workload(ns: argparse.Namespace, num_images: int | None = None, tiles:
         return trace_workload(ns.workload[1], ns.time_scale, ns.length_scale, ns.rate, ns.duration,
                               ns.num_requests, ns.loop_trace, num_images, tiles)
     raise ConfigError(f"--workload must be 'random' or 'trace FILE', got {kind!r}")
-
-
-def parse_class_mix(spec: str | None) -> dict[str, float]:
-    """``CLASS=SHARE,...`` (``--class-mix``) -> share per class."""
-    mix: dict[str, float] = {}
-    for part in (spec or "").split(","):
-        if not part:
-            continue
-        name, sep, share = part.partition("=")
-        try:
-            value = float(share)
-        except ValueError:
-            value = -1.0
-        if not sep or name in mix or not 0 <= value < math.inf:
-            raise ConfigError(f"--class-mix takes CLASS=SHARE,... with shares >= 0, got {spec!r}")
-        mix[name] = value
-    return mix
 
 
 def sim_config_kwargs(ns: argparse.Namespace) -> dict:

@@ -25,7 +25,7 @@ import numpy as np
 from epdserve.errors import ConfigError
 from epdserve.router.workers import PromptBlocks, WorkerRegistry
 from epdserve.sampling import SamplingParams
-from epdserve.service import DEFAULT_CLASS, SERVICE_CLASSES
+from epdserve.service import SERVICE_CLASSES, draw_classes
 from epdserve.sim import fastforward
 from epdserve.sim.config import SimConfig, SimStats
 from epdserve.sim.cost_model import CostModel
@@ -115,12 +115,10 @@ class SimLoop:
         self.by_worker_id[worker_id] = inst
 
     def _draw_classes(self) -> np.ndarray:
-        mix, n = self.config.class_mix, len(self.workload)
-        if not mix:
-            return np.full(n, SERVICE_CLASSES.index(DEFAULT_CLASS), dtype=np.int8)
-        shares = np.array([mix.get(c, 0.0) for c in SERVICE_CLASSES], dtype=float)
-        rng = np.random.default_rng(self.config.class_seed)
-        return rng.choice(len(SERVICE_CLASSES), size=n, p=shares / shares.sum()).astype(np.int8)
+        """Each request's class (``service.draw_classes``, as bench draws them) as an index."""
+        names = draw_classes(self.config.class_mix, len(self.workload), self.config.class_seed)
+        index = {c: i for i, c in enumerate(SERVICE_CLASSES)}
+        return np.fromiter((index[c] for c in names), dtype=np.int8, count=len(names))
 
     def class_summary(self) -> dict:
         """Per service class: requests, those refused at admission, and of the admitted ones
