@@ -84,20 +84,25 @@ def parse_class_slos(specs: list[str] | None) -> dict[str, ClassSLO]:
         if not sep or name not in SERVICE_CLASSES:
             raise ConfigError(f"--service-class-slo takes CLASS=ttft:MS[,tpot:MS] with CLASS one of "
                               f"{', '.join(SERVICE_CLASSES)}, got {spec!r}")
-        values: dict[str, float] = {}
-        for part in rest.split(","):
-            key, sep, ms = part.partition(":")
-            try:
-                value = float(ms)
-            except ValueError:
-                value = -1.0
-            if not sep or key not in ("ttft", "tpot") or key in values or not 0 < value < float("inf"):
-                raise ConfigError(f"--service-class-slo {spec!r}: each target is ttft:MS or tpot:MS, MS > 0")
-            values[key] = value / 1e3
         if name in slos:
             raise ConfigError(f"--service-class-slo names {name} twice")
-        slos[name] = ClassSLO(values.get("ttft"), values.get("tpot"))
+        slos[name] = parse_slo(rest, f"--service-class-slo {spec!r}")
     return slos
+
+
+def parse_slo(spec: str, flag: str = "an SLO") -> ClassSLO:
+    """``ttft:MS[,tpot:MS]`` (either or both, milliseconds) -> targets in seconds."""
+    values: dict[str, float] = {}
+    for part in spec.split(","):
+        key, sep, ms = part.partition(":")
+        try:
+            value = float(ms)
+        except ValueError:
+            value = -1.0
+        if not sep or key not in ("ttft", "tpot") or key in values or not 0 < value < float("inf"):
+            raise ConfigError(f"{flag}: each target is ttft:MS or tpot:MS, MS > 0")
+        values[key] = value / 1e3
+    return ClassSLO(values.get("ttft"), values.get("tpot"))
 
 
 def parse_class_mix(spec: str | None) -> dict[str, float]:

@@ -356,10 +356,18 @@ class Shutdown(Msg):
     pass
 
 
+class SwitchRole(Msg):
+    """Router -> an LLM worker that holds no request (it was drained): free this role's
+    transfer resources (KV pages, listener, peer links, slab) and register again as ``role``,
+    in the same process, keeping the loaded model."""
+
+    role: Role
+
+
 Message = Union[
     Register, Heartbeat, Outputs, Reserved, TransferDone, RequestFailed, EncodeDone, EmbeddingLanded,
     Submit, Reserve, StartDecode, Abort, PeerUp, PeerDown, Shutdown, EncodeImage, EmbeddingReady, SlabUp,
-    ReservationExpired, Reconcile, KVEvents,
+    ReservationExpired, Reconcile, KVEvents, SwitchRole,
 ]
 
 _encoder = msgspec.msgpack.Encoder()

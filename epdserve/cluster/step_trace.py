@@ -27,9 +27,11 @@ if TYPE_CHECKING:
 
 
 class StepTrace:
-    def __init__(self, directory: str, worker_id: str, role: str, num_threads: int) -> None:
+    def __init__(self, directory: str, worker_id: str, role: str, num_threads: int, segment: int = 0) -> None:
+        """``segment``: the worker's switches of role so far; after one, its steps in the new
+        role go to ``DIR/<worker id>.<segment>.jsonl``."""
         os.makedirs(directory, exist_ok=True)
-        self.path = Path(directory) / f"{worker_id}.jsonl"
+        self.path = Path(directory) / (f"{worker_id}.jsonl" if segment == 0 else f"{worker_id}.{segment}.jsonl")
         self._file: TextIO = open(self.path, "w", encoding="utf-8", buffering=1)  # noqa: SIM115 (open for the worker's life; line-buffered: readable while serving)
         header = {"worker_id": worker_id, "role": role, "num_threads": num_threads, "pid": os.getpid()}
         self._file.write(json.dumps(header) + "\n")

@@ -17,6 +17,9 @@ finished KV transfers. The roles' classes:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import replace
+
 from epdserve.cluster.worker_base import run_process
 from epdserve.cluster.worker_decode import DecodeWorker
 from epdserve.cluster.worker_llm import ROLES, ColocatedWorker, LLMWorker, WorkerOptions
@@ -39,6 +42,16 @@ def worker_class(role: str) -> type[LLMWorker]:
 
 
 def run_worker(opts: WorkerOptions, engine_args: EngineArgs) -> int:
-    """The worker process's body; its exit status (0, or ``EXIT_FATAL`` after a fatal error)."""
+    """The worker process's body; its exit status (0, or ``EXIT_FATAL`` after a fatal error).
+    A ``SwitchRole`` from the router moves it to another LLM role in this process."""
     cls = worker_class(opts.role)
-    return run_process(lambda: cls(opts, engine_args), opts.die_with_parent)
+    return run_process(lambda: cls(opts, engine_args), opts.die_with_parent, _successor)
+
+
+def _successor(worker: LLMWorker) -> Callable[[], LLMWorker]:
+    """What builds ``worker`` again in the role a ``SwitchRole`` named: the same options and
+    the loaded model (the weights stay; the KV pages, transfer resources and slab are new)."""
+    role, opts, args, loaded = worker.next_role, worker.opts, worker.engine_args, worker.engine.loaded
+    cls = worker_class(role)
+    num_switches = worker.num_switches + 1
+    return lambda: cls(replace(opts, role=str(role)), args, loaded, num_switches)

@@ -13,6 +13,7 @@ A handler that raises costs only the message's request (``_fail_message``); a fa
 from __future__ import annotations
 
 import ctypes
+import gc
 import logging
 import os
 import signal
@@ -64,6 +65,9 @@ class WorkerBase:
         self._stop = threading.Event()
         self.ctx: zmq.Context | None = None
         self.sock: zmq.Socket | None = None
+        # A ``SwitchRole`` asked for this role: the loop ends once the worker holds nothing, and
+        # the process goes on as a worker of it (``run_process``).
+        self.next_role: Role | None = None
 
     # -- what a role says ----------------------------------------------------------------
     def register(self) -> m.Register:
@@ -76,7 +80,8 @@ class WorkerBase:
     def _handlers(self) -> dict[type, Handler]:
         """Message type -> handler; a subclass extends its parent's table. Other types are
         ignored."""
-        return {m.Shutdown: lambda msg: self._stop.set(), m.Reconcile: self._on_reconcile}
+        return {m.Shutdown: lambda msg: self._stop.set(), m.Reconcile: self._on_reconcile,
+                m.SwitchRole: self._on_switch_role}
 
     def _poll_timeout_ms(self) -> int:
         """How long the loop may wait for a message before its next pass."""
@@ -101,6 +106,14 @@ class WorkerBase:
 
     def _release(self) -> None:
         """Free the role's resources (``close``, before the router sockets close)."""
+
+    def _can_switch_to(self, role: Role) -> bool:
+        """Whether this worker can go on as a worker of ``role`` (``SwitchRole``)."""
+        return False
+
+    def _holds_nothing(self) -> bool:
+        """No request, reservation or transfer is in hand (a switch of role may go ahead)."""
+        return True
 
     # -- shared ---------------------------------------------------------------------------
     def _register(self, **fields: Any) -> m.Register:
@@ -130,6 +143,16 @@ class WorkerBase:
                 raise
             self._fail_message(msg, e)
 
+    def _on_switch_role(self, msg: m.SwitchRole) -> None:
+        """The router drained this worker and moves it to ``msg.role``: once it holds nothing
+        (the router sent nothing new since it began draining), the loop ends and the process
+        registers again in the new role."""
+        if msg.role == self.role or not self._can_switch_to(msg.role):
+            log.warning("a %s worker cannot switch to %s: ignored", self.role, msg.role)
+            return
+        log.info("switching from %s to %s", self.role, msg.role)
+        self.next_role = msg.role
+
     def _on_reconcile(self, msg: m.Reconcile) -> None:
         """The router had given this worker up (missed lease, hung step) and failed its
         requests: drop every request it no longer knows here, then register again."""
@@ -156,6 +179,8 @@ class WorkerBase:
                 if self._receive(poller, timeout_ms):
                     return 0
                 self._step()
+                if self.next_role is not None and self._holds_nothing():
+                    return 0
         except Exception as e:
             if not is_fatal(e):
                 raise
@@ -206,14 +231,27 @@ def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
-def run_process(make_worker: Callable[[], WorkerBase], die_with_parent: bool = False) -> int:
+def run_process(make_worker: Callable[[], WorkerBase], die_with_parent: bool = False,
+                successor: Callable[[WorkerBase], Callable[[], WorkerBase]] | None = None) -> int:
     """The body of a worker process: build the worker, run it; SIGTERM and SIGINT end the
-    loop (``close`` still frees what it holds, shared memory included)."""
+    loop (``close`` still frees what it holds, shared memory included). A worker whose loop
+    ended for a ``SwitchRole`` is followed, in this process, by the worker that
+    ``successor(worker)()`` builds in its new role (``successor`` keeps what it reuses, the
+    loaded model, and nothing else: the old role's memory is gone before the new one's is
+    taken)."""
     if die_with_parent:
         _die_with_parent()
     signal.signal(signal.SIGTERM, _interrupt)
-    worker = make_worker()
+    worker: WorkerBase | None = make_worker()
     try:
-        return worker.run()
+        while True:
+            status = worker.run()
+            if status != 0 or worker.next_role is None or successor is None:
+                return status
+            make_next = successor(worker)
+            worker = None
+            gc.collect()  # the old role's KV pages and buffers (reference cycles included)
+            signal.signal(signal.SIGTERM, _interrupt)  # ``close`` ignored it for its clean-up
+            worker = make_next()
     except KeyboardInterrupt:
         return 0

@@ -25,6 +25,7 @@ from epdserve.cluster.worker_llm import LLMWorker, WorkerOptions
 from epdserve.config import EngineArgs, resolve_device_name
 from epdserve.engine.block_pool import HASH_BYTES
 from epdserve.engine.engine import KVCacheAllocator
+from epdserve.models.loader import LoadedModel
 from epdserve.roles import Role
 from epdserve.transfer.fence import ReservationFence
 from epdserve.transfer.locality import this_node
@@ -38,7 +39,8 @@ class DecodeWorker(LLMWorker):
     role = Role.DECODE
     takes_images = False  # the prefill worker took the prompt's images
 
-    def __init__(self, opts: WorkerOptions, engine_args: EngineArgs) -> None:
+    def __init__(self, opts: WorkerOptions, engine_args: EngineArgs, loaded: LoadedModel | None = None,
+                 num_switches: int = 0) -> None:
         if opts.kv_transport != "tcp" and resolve_device_name(engine_args.device) != "cpu":
             # Shared-memory pages are host memory; pages on an accelerator are reached over tcp.
             log.info("KV pages on %s: prefill workers write them over tcp", engine_args.device)
@@ -52,7 +54,7 @@ class DecodeWorker(LLMWorker):
         self._image_reservations: set[str] = set()  # reservations of prompts with images
         # Open reservations, request id -> (fence generation, monotonic time reserved).
         self._reservations: dict[str, tuple[int, float]] = {}
-        super().__init__(opts, engine_args)
+        super().__init__(opts, engine_args, loaded, num_switches)
         caches = self.engine.kv_caches
         self.fence = ReservationFence(self.engine.num_kv_groups, caches[0].shape[1], shm=self.pool is not None)
         self.endpoint = self._kv_endpoint()

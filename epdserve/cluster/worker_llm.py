@@ -23,6 +23,7 @@ from epdserve.cluster.worker_images import ConsumerImages, ImageOptions
 from epdserve.config import EngineArgs
 from epdserve.engine.engine import KVCacheAllocator, LLMEngine, RequestOutput
 from epdserve.engine.failures import describe, is_fatal
+from epdserve.models.loader import LoadedModel
 from epdserve.errors import EpdserveError, InvalidRequestError
 from epdserve.request import MMInput, TierLoad
 from epdserve.roles import LLM_ROLES, Role
@@ -74,12 +75,18 @@ class LLMWorker(WorkerBase):
     outputs_end_at_first_token = False  # prefill: a request's last output here carries its first token
     endpoint: m.KVEndpoint | None = None  # decode: where prefill workers write its KV pages
 
-    def __init__(self, opts: WorkerOptions, engine_args: EngineArgs) -> None:
+    def __init__(self, opts: WorkerOptions, engine_args: EngineArgs, loaded: LoadedModel | None = None,
+                 num_switches: int = 0) -> None:
+        """``loaded``: the model, when this process ran it in another role before (a switch);
+        ``num_switches``: how many switches of role this process made before this one."""
         super().__init__(opts.router, opts.worker_id, opts.cluster_key, opts.cores, opts.heartbeat_s)
         self.opts = opts
-        self.engine = LLMEngine(engine_args, kv_cache_allocator=self._kv_cache_allocator())
+        self.engine_args = engine_args
+        self.num_switches = num_switches
+        self.engine = LLMEngine(engine_args, loaded, kv_cache_allocator=self._kv_cache_allocator())
         self.engine.record_kv_events()  # the router's prefix index follows this pool
-        self._step_trace = (StepTrace(opts.step_trace_dir, opts.worker_id, opts.role, torch.get_num_threads())
+        self._step_trace = (StepTrace(opts.step_trace_dir, opts.worker_id, opts.role, torch.get_num_threads(),
+                                      num_switches)
                             if opts.step_trace_dir else None)
         # Receiver threads (KV or image landings) wake the engine loop through this fd.
         self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK)
@@ -189,6 +196,14 @@ class LLMWorker(WorkerBase):
         """Requests held outside the engine (P/D roles)."""
         return set()
 
+    def _can_switch_to(self, role: Role) -> bool:
+        return role in LLM_ROLES
+
+    def _holds_nothing(self) -> bool:
+        images_busy = self.images is not None and self.images.has_inline_jobs
+        return not (self.engine.has_unfinished() or self._held_request_ids() or self.engine.is_transferring()
+                    or images_busy)
+
     def _forget_all_but(self, keep: set[str]) -> None:
         held = set(self.engine.live_request_ids()) | self._held_request_ids()
         for request_id in held - keep:
@@ -291,3 +306,4 @@ class ColocatedWorker(LLMWorker):
     """Prefill and decode of each request in this one engine."""
 
     role = Role.COLOCATED
+

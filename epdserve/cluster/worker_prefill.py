@@ -15,6 +15,7 @@ from epdserve.cluster.router_link import MalformedFrame
 from epdserve.cluster.worker_base import Handler
 from epdserve.cluster.worker_llm import LLMWorker, WorkerOptions
 from epdserve.config import EngineArgs
+from epdserve.models.loader import LoadedModel
 from epdserve.request import MMInput
 from epdserve.roles import Role
 
@@ -25,8 +26,9 @@ class PrefillWorker(LLMWorker):
     role = Role.PREFILL
     outputs_end_at_first_token = True
 
-    def __init__(self, opts: WorkerOptions, engine_args: EngineArgs) -> None:
-        super().__init__(opts, engine_args)
+    def __init__(self, opts: WorkerOptions, engine_args: EngineArgs, loaded: LoadedModel | None = None,
+                 num_switches: int = 0) -> None:
+        super().__init__(opts, engine_args, loaded, num_switches)
         self._prefill_ids: set[str] = set()  # P/D prefills whose TransferDone is still due
         self.pusher = self.engine.attach_kv_pusher(opts.layerwise)
         self.pusher.stall = opts.stall_kv_transfers

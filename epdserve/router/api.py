@@ -2,7 +2,8 @@
 
     POST /v1/completions  POST /v1/chat/completions  (stream and non-stream)
     POST /tokenize  /detokenize  (as vLLM serves them)
-    GET  /v1/models  /v1/workers  /health  /metrics
+    GET  /v1/models  /v1/workers  /v1/roles  /health  /metrics
+    POST /v1/workers/{worker_id}/role  (--role-switching manual|auto: move a worker to a role)
 
 User errors are 400 with OpenAI's error body, overload is 429/503 with Retry-After, a failed
 worker is 503 (or an SSE error event once a stream has started); never a 500 for user input.
@@ -42,11 +43,13 @@ from epdserve.router.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    RoleSwitchRequest,
     TokenizeRequest,
     error_body,
     error_response,
 )
 from epdserve.router.responses import Formatter, ToolMode
+from epdserve.router.role_switch import SwitchRefused
 from epdserve.router.tools import forced_schema, parse_tool_choice, parse_tools, parser_for
 from epdserve.sampling import SamplingParams
 from epdserve.structured import (
@@ -152,6 +155,24 @@ def create_app(router: Router, served: ServedModel, api_key: str | None = None, 
     async def workers() -> dict:
         return {"object": "list", "mode": router.mode(),
                 "data": router.workers_json()}
+
+    @app.get("/v1/roles")
+    async def roles() -> dict:
+        return router.roles_json()
+
+    @app.post("/v1/workers/{worker_id}/role")
+    async def switch_role(worker_id: str, body: RoleSwitchRequest) -> Response:
+        """Drain the worker and move it to ``body.role`` (202: begun; the worker registers in
+        its new role once what it holds has finished). 404: no such worker; 409: it cannot
+        switch now (not ready, already that role, the last of its role, switching is off)."""
+        if router.registry.get(worker_id) is None:
+            return error_response(404, f"no worker {worker_id!r}", param="worker_id")
+        try:
+            worker = router.switch_role(worker_id, body.role, "requested by the API")
+        except SwitchRefused as e:
+            return error_response(409, str(e))
+        return JSONResponse({"id": worker_id, "from_role": str(worker.role), "to_role": body.role,
+                             "state": worker.state.value, "num_requests": len(worker.request_ids)}, 202)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:

@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 from epdserve.errors import EpdserveError
 from epdserve.router.admission import ADMISSION_POLICIES, DEFAULT_MAX_PENDING, DEFAULT_MAX_WAITING_PER_WORKER
+from epdserve.router.role_control import RoleControlConfig
+from epdserve.router.role_switch import ROLE_SWITCHING
 from epdserve.router.workers import DEFAULT_ROUTING
 from epdserve.service import ClassSLO
 
@@ -31,10 +33,18 @@ class RouterConfig:
     # SLO per service class (epdserve.service.parse_class_slos): attainment per class in the metrics
     class_slos: dict[str, ClassSLO] = field(default_factory=dict)
     admission: str = "queue"  # "queue" | "predictive" (admission.check_predicted_ttft)
+    # Switches of role at run time (role_switch.py): "off"; "manual" (POST /v1/workers/{id}/role);
+    # "auto" (also the controller of role_control.py, with ``role_control``'s SLOs and bands)
+    role_switching: str = "off"
+    role_control: RoleControlConfig | None = None
 
     def __post_init__(self) -> None:
         if self.admission not in ADMISSION_POLICIES:
             raise EpdserveError(f"admission must be one of {', '.join(ADMISSION_POLICIES)}, got {self.admission!r}")
+        if self.role_switching not in ROLE_SWITCHING:
+            raise EpdserveError(f"role switching must be one of {', '.join(ROLE_SWITCHING)}, got {self.role_switching!r}")
+        if self.role_switching == "auto" and self.role_control is None:
+            raise EpdserveError("role switching 'auto' needs the SLOs it keeps (role_control)")
         if self.transfer_policy not in TRANSFER_POLICIES:
             raise EpdserveError(f"transfer policy must be fail or recompute, got {self.transfer_policy!r}")
         if self.heartbeat_timeout_s <= 0 or self.step_timeout_s <= 0 or self.first_token_timeout_s < 0:

@@ -31,11 +31,19 @@ from epdserve.router.flow import RequestFlow
 from epdserve.router.images import ImageInput
 from epdserve.router.metrics import RouterMetrics
 from epdserve.router.path import Mode, RequestHandle
-from epdserve.router.workers import WorkerRegistry
+from epdserve.router.role_control import RoleController, Switch
+from epdserve.router.role_switch import SwitchRefused
+from epdserve.router.workers import WorkerInfo, WorkerRegistry, WorkerState
 from epdserve.sampling import SamplingParams
 from epdserve.service import class_of_key
 
 log = logging.getLogger("epdserve.router")
+
+MAX_SWITCH_LOG = 1000
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.0f} ms"
 
 
 class Router:
@@ -55,6 +63,16 @@ class Router:
         self._tasks: list[asyncio.Task] = []
         self.metrics.pending.set_function(lambda: len(self.flow.handles))
         self.metrics.paths.set_function(lambda: len(self.flow.paths))
+        for role in Role:
+            for state in WorkerState:
+                self.metrics.workers_by_role.labels(role, state.value).set_function(
+                    lambda role=role, state=state: self._count(role, state))
+        # --role-switching auto: the controller, fed the latencies the flow observes
+        self.role_controller: RoleController | None = None
+        self.switch_log: list[dict] = []  # switches begun: when, which, why (the newest MAX_SWITCH_LOG)
+        if self.config.role_switching == "auto":
+            self.role_controller = self.flow.role_controller = RoleController(self.config.role_control)
+        self.dispatcher.switcher.on_switched = self._on_switched
 
     # -- lifecycle -----------------------------------------------------------------------
     async def start(self) -> None:
@@ -62,10 +80,12 @@ class Router:
             asyncio.create_task(self.channel.serve(self.dispatcher.handle), name="router-recv"),
             asyncio.create_task(self.dispatcher.liveness_loop(), name="router-liveness"),
         ]
+        if self.role_controller is not None:
+            self._tasks.append(asyncio.create_task(self._role_control_loop(), name="router-role-control"))
 
     async def close(self) -> None:
         for worker in self.registry.workers.values():
-            if worker.is_ready:
+            if worker.state in (WorkerState.READY, WorkerState.DRAINING, WorkerState.SWITCHING):
                 self.channel.post(worker.worker_id, m.Shutdown())
         for task in self._tasks:
             task.cancel()
@@ -164,6 +184,57 @@ class Router:
             return
         self.flow.abort(handle)
         self.metrics.requests.labels("aborted").inc()
+
+    # -- roles ---------------------------------------------------------------------------
+    def switch_role(self, worker_id: str, role: str, reason: str = "requested") -> WorkerInfo:
+        """Begin moving a worker to ``role`` (role_switch.py); ``SwitchRefused`` says why not."""
+        if self.config.role_switching == "off":
+            raise SwitchRefused("role switching is off (epdserve serve --role-switching manual|auto)")
+        worker = self.dispatcher.switcher.begin(worker_id, role)
+        self.switch_log.append({"time": time.time(), "worker": worker_id, "from_role": str(worker.role),
+                                "to_role": str(role), "reason": reason})
+        del self.switch_log[:-MAX_SWITCH_LOG]
+        return worker
+
+    def _on_switched(self, worker: WorkerInfo) -> None:
+        if self.role_controller is not None:
+            self.role_controller.on_switched(time.monotonic())
+
+    async def _role_control_loop(self) -> None:
+        controller = self.role_controller
+        while True:
+            await asyncio.sleep(controller.config.interval_s)
+            switch = controller.decide(time.monotonic(), list(self.registry.workers.values()))
+            if switch is not None:
+                self._begin_switch(switch)
+
+    def _begin_switch(self, switch: Switch) -> None:
+        p = switch.pressure
+        reason = (f"controller: prefill pressure {p.prefill:.2f}, decode pressure {p.decode:.2f} "
+                  f"(TTFT P90 {_ms(p.ttft_p90_s)}, ITL P90 {_ms(p.itl_p90_s)}, queued prefill "
+                  f"{p.queued_prefill_s * 1e3:.0f} ms, KV in use {p.kv_usage:.0%})")
+        try:
+            self.switch_role(switch.worker_id, switch.to_role, reason)
+        except SwitchRefused as e:  # it changed state between the decision and now
+            log.info("role controller: %s", e)
+            return
+        log.info("worker %s: %s -> %s; %s", switch.worker_id, switch.from_role, switch.to_role, reason)
+
+    def _count(self, role: str, state: WorkerState) -> int:
+        return sum(1 for w in self.registry.workers.values() if w.role == role and w.state is state)
+
+    def roles_json(self) -> dict:
+        """``GET /v1/roles``: the workers per role and state, the controller's last reading, and
+        the switches begun."""
+        counts: dict[str, dict[str, int]] = {}
+        for w in self.registry.workers.values():
+            counts.setdefault(str(w.role), {}).setdefault(w.state.value, 0)
+            counts[str(w.role)][w.state.value] += 1
+        controller = self.role_controller
+        pressure = controller.last_pressure if controller is not None else None
+        return {"role_switching": self.config.role_switching, "workers": counts,
+                "pressure": pressure.as_json() if pressure is not None else None,
+                "switches": list(self.switch_log)}
 
     @property
     def handles(self) -> dict[str, RequestHandle]:

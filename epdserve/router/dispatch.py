@@ -30,6 +30,7 @@ from epdserve.router.channel import WorkerChannel
 from epdserve.router.config import RouterConfig
 from epdserve.router.flow import RequestFlow
 from epdserve.router.metrics import RouterMetrics
+from epdserve.router.role_switch import RoleSwitcher
 from epdserve.router.workers import WorkerInfo, WorkerRegistry, WorkerState
 
 log = logging.getLogger("epdserve.router")
@@ -46,6 +47,7 @@ class Dispatcher:
         self.encode = flow.encode
         self.registered = asyncio.Event()  # set at every registration
         self._pidfds: dict[str, int] = {}
+        self.switcher = RoleSwitcher(registry, channel, metrics, self._on_leave_role, self.mark_dead)
 
     def handle(self, sender: str, msg: m.Message) -> None:
         if not self._is_from_its_worker(sender, msg):
@@ -76,6 +78,8 @@ class Dispatcher:
                 encode.on_embedding_landed(msg)
             case _:
                 log.warning("dropping %s from %s: not a message a worker sends", type(msg).__name__, sender)
+        if self.switcher.switching:
+            self.switcher.poll()  # a draining worker may hold nothing now
 
     def _is_from_its_worker(self, sender: str, msg: m.Message) -> bool:
         """Whether ``sender`` (the socket's identity) may send ``msg``."""
@@ -108,11 +112,14 @@ class Dispatcher:
     # -- membership ----------------------------------------------------------------------
     def _on_register(self, msg: m.Register) -> None:
         old = self.registry.get(msg.worker_id)
-        if old is not None and old.is_ready:
+        info = WorkerInfo(msg)
+        if old is not None and old.is_serving:
             self.mark_dead(msg.worker_id, "worker re-registered")
         elif old is not None and old.state is WorkerState.SUSPECT:
             log.info("worker %s is back and reconciled", msg.worker_id)
-        self.registry.add(WorkerInfo(msg))
+        elif not self.switcher.on_register(old, info) and old is not None:
+            info.num_switches = old.num_switches
+        self.registry.add(info)
         self.encode.on_register(msg)
         self.metrics.worker_up.labels(msg.worker_id, msg.role).set(1)
         if msg.role == Role.DECODE and msg.kv_endpoint is not None:
@@ -127,8 +134,8 @@ class Dispatcher:
 
     def _on_heartbeat(self, msg: m.Heartbeat) -> None:
         worker = self.registry.get(msg.worker_id)
-        if worker is None or worker.state is WorkerState.DEAD:
-            return
+        if worker is None or worker.state in (WorkerState.DEAD, WorkerState.SWITCHING):
+            return  # (a switching worker's last beats of its old role)
         now = time.monotonic()
         worker.last_seen = now
         is_hung = msg.step_age_s > self.config.step_timeout_s
@@ -155,9 +162,10 @@ class Dispatcher:
             await asyncio.sleep(period)
             deadline = time.monotonic() - self.config.heartbeat_timeout_s
             for worker in list(self.registry.workers.values()):
-                if worker.is_ready and worker.last_seen < deadline:
+                if worker.is_serving and worker.last_seen < deadline:
                     self.suspect(worker.worker_id, "worker missed its heartbeat lease "
                                                    f"({self.config.heartbeat_timeout_s:g} s)")
+            self.switcher.poll()  # requests aborted by their clients leave a draining worker too
 
     def suspect(self, worker_id: str, reason: str) -> None:
         """READY -> SUSPECT: the worker may still be alive (paused, hung); it gets no more
@@ -172,9 +180,14 @@ class Dispatcher:
         worker = self.registry.get(worker_id)
         if worker is None or worker.state is WorkerState.DEAD:
             return
-        was_ready = worker.is_ready
+        was_serving = worker.is_serving
+        was_switching = worker.state is WorkerState.SWITCHING
         worker.state = state
-        if not was_ready:  # SUSPECT -> DEAD: its requests failed already
+        if was_switching:  # it held nothing, and its peers and slab were let go at the switch
+            self.metrics.worker_up.labels(worker_id, str(worker.switch_to)).set(0)
+            log.warning("worker %s (switching to %s) is %s: %s", worker_id, worker.switch_to, state.value, reason)
+            return
+        if not was_serving:  # SUSPECT -> DEAD: its requests failed already
             if state is WorkerState.DEAD:
                 self.encode.on_worker_gone(worker)
             return
@@ -182,9 +195,21 @@ class Dispatcher:
         self.metrics.worker_up.labels(worker_id, worker.role).set(0)
         log.warning("worker %s (%s) is %s: %s", worker_id, worker.role, state.value, reason)
         if worker.role == Role.DECODE:
-            for prefill in self.registry.ready(Role.PREFILL):
-                self.channel.post(prefill.worker_id, m.PeerDown(worker_id))
+            self._peer_down(worker_id)
         self.flow.on_worker_lost(worker, reason)
+        self.encode.on_worker_dead(worker)
+
+    def _peer_down(self, worker_id: str) -> None:
+        """Prefill workers close their links to decode worker ``worker_id``."""
+        for prefill in self.registry.workers.values():
+            if prefill.role == Role.PREFILL and prefill.is_serving:
+                self.channel.post(prefill.worker_id, m.PeerDown(worker_id))
+
+    def _on_leave_role(self, worker: WorkerInfo) -> None:
+        """A drained worker is switching role: what its old role offered its peers goes now
+        (a decode worker's pages, a consumer's slab), before its process frees them."""
+        if worker.role == Role.DECODE:
+            self._peer_down(worker.worker_id)
         self.encode.on_worker_dead(worker)
 
     # -- local processes -----------------------------------------------------------------

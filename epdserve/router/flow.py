@@ -37,6 +37,7 @@ from epdserve.router.encode_stage import EncodeStage
 from epdserve.router.images import ImageInput
 from epdserve.router.metrics import RouterMetrics
 from epdserve.router.path import Mode, Path, Phase, RequestHandle, StreamEvent
+from epdserve.router.role_control import RoleController
 from epdserve.router.workers import PromptBlocks, WorkerInfo, WorkerRegistry
 from epdserve.sampling import SamplingParams
 
@@ -57,6 +58,7 @@ class RequestFlow:
         self.handles: dict[str, RequestHandle] = {}  # admitted requests not yet finished
         self.paths: dict[str, Path] = {}  # paths some worker, slab region or encode job still holds
         self.encode = EncodeStage(self, channel, registry, metrics, config.encode_pipelined)
+        self.role_controller: RoleController | None = None  # --role-switching auto: fed the latencies below
 
     # -- starting ------------------------------------------------------------------------
     def start_colocated(self, handle: RequestHandle, prompt: list[int], params: SamplingParams,
@@ -288,7 +290,7 @@ class RequestFlow:
     def _transfer_failed(self, path: Path, reason: str) -> None:
         decode = self.registry.get(path.decode) if path.decode else None
         # A prompt with images cannot be recomputed by a decode worker (it has no embeddings).
-        if (self.config.transfer_policy == "recompute" and decode is not None and decode.is_ready
+        if (self.config.transfer_policy == "recompute" and decode is not None and decode.is_serving
                 and path.mm is None):
             # The decode worker computes the prompt itself and continues after the first token
             # (or from the prompt, when no first token came yet). Same id: the abort releases
@@ -370,7 +372,8 @@ class RequestFlow:
             self.channel.post(path.colocated, m.Abort(path.path_id))
             self._release(path, path.colocated)
             return
-        prefill_alive = path.prefill is not None and self.registry.is_ready(path.prefill)
+        prefill = self.registry.get(path.prefill) if path.prefill is not None else None
+        prefill_alive = prefill is not None and prefill.is_serving
         if path.prefill is not None:
             self.channel.post(path.prefill, m.Abort(path.path_id))
         if path.decode is not None and (path.transfer_done or not prefill_alive or path.phase is Phase.RESERVING):
@@ -438,12 +441,16 @@ class RequestFlow:
                 handle.first_token_timer.cancel()
                 handle.first_token_timer = None
             self.metrics.ttft.observe(now - timing.arrived)
+            if self.role_controller is not None:
+                self.role_controller.observe_ttft(time.monotonic(), now - timing.arrived)
             timing.record(EventType.PREFILL_START, out.prefill_start)
             if timing.prefill_start:
                 self.metrics.queue_time.observe(max(0.0, timing.prefill_start - timing.arrived))
                 timing.record(EventType.PREFILL_END, out.prefill_end)
         elif handle.last_token_time:
             self.metrics.itl.observe(now - handle.last_token_time)
+            if self.role_controller is not None:
+                self.role_controller.observe_itl(time.monotonic(), now - handle.last_token_time)
         handle.last_token_time = now
         handle.num_output_tokens += len(out.token_ids)
         self.metrics.generation_tokens.inc(len(out.token_ids))

@@ -56,12 +56,26 @@ class RouterMetrics:
         self.running = Gauge("epdserve_worker_requests_running", "Requests running", labels, registry=r)
         self.waiting = Gauge("epdserve_worker_requests_waiting", "Requests waiting", labels, registry=r)
         self.worker_up = Gauge("epdserve_worker_up", "1 while the worker is alive", labels, registry=r)
+        self.role_switches = Counter("epdserve_role_switches_total", "Workers that changed role at run time "
+                                     "(--role-switching), by the role left and the role taken",
+                                     ["from_role", "to_role"], registry=r)
+        self.workers_by_role = Gauge("epdserve_workers", "Workers by role and state (ready; draining: finishing "
+                                     "what they hold before a switch of role; switching)", ["role", "state"],
+                                     registry=r)
 
     def observe_load(self, worker: str, role: str, running: int, waiting: int, used: int, free: int) -> None:
         self.running.labels(worker, role).set(running)
         self.waiting.labels(worker, role).set(waiting)
         self.blocks_used.labels(worker, role).set(used)
         self.blocks_free.labels(worker, role).set(free)
+
+    def forget_worker_role(self, worker: str, role: str) -> None:
+        """The worker left ``role`` (a switch): its per-worker series under it go."""
+        for gauge in (self.running, self.waiting, self.blocks_used, self.blocks_free, self.worker_up):
+            try:
+                gauge.remove(worker, role)
+            except KeyError:
+                pass
 
     def observe_gc_pause(self, generation: int, seconds: float) -> None:
         self.gc_pause.labels(str(generation)).observe(seconds)

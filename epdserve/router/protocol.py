@@ -213,6 +213,14 @@ class DetokenizeRequest(BaseModel):
     tokens: list[StrictInt]
 
 
+class RoleSwitchRequest(BaseModel):
+    """``POST /v1/workers/{worker_id}/role``: move the worker to ``role`` (router/role_switch.py)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    role: Literal["colocated", "prefill", "decode"]
+
+
 def error_body(message: str, err_type: str, code: int, param: str | None = None) -> dict:
     return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
 
@@ -234,6 +242,7 @@ ERROR_TYPES = {
     400: "BadRequestError",
     401: "AuthenticationError",
     404: "NotFoundError",
+    409: "ConflictError",
     413: "RequestTooLargeError",
     429: "RateLimitError",
     500: "InternalServerError",

@@ -20,8 +20,10 @@ from epdserve.envs import EPDSERVE_API_KEY, get_api_key
 from epdserve.errors import ConfigError
 from epdserve.roles import Role
 from epdserve.router.admission import ADMISSION_POLICIES
+from epdserve.router.role_control import RoleControlConfig
+from epdserve.router.role_switch import ROLE_SWITCHING
 from epdserve.router.workers import DEFAULT_ROUTING, ROUTING_POLICIES
-from epdserve.service import parse_class_slos
+from epdserve.service import DEFAULT_CLASS, ClassSLO, parse_class_slos, parse_slo
 from epdserve.transfer.locality import TRANSPORTS
 
 log = logging.getLogger("epdserve.serve")
@@ -75,10 +77,26 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                    help="queue: refuse only at the queue bounds (429) and KV bounds (503); predictive: also refuse "
                         "at once (429 slo_unreachable, Retry-After) a request of a class with a TTFT SLO that no "
                         "worker is predicted to meet from what is queued there (batch work is deferred instead)")
+    r = parser.add_argument_group("role switching")
+    r.add_argument("--role-switching", choices=ROLE_SWITCHING, default="off",
+                   help="move prefill and decode workers between roles at run time, in their own processes: "
+                        "manual (POST /v1/workers/{id}/role), or auto (also a controller that moves one worker "
+                        "at a time from the side with slack to the side near its SLO)")
+    r.add_argument("--role-switching-slo", default=None, metavar="ttft:MS,tpot:MS",
+                   help="auto: the SLO the controller keeps (default: the interactive class's "
+                        "--service-class-slo)")
+    r.add_argument("--role-switching-dwell", type=float, default=30.0, metavar="SECONDS",
+                   help="auto: a worker keeps a role at least this long")
+    r.add_argument("--role-switching-cooldown", type=float, default=10.0, metavar="SECONDS",
+                   help="auto: after a switch ends, before the next one may begin")
+    r.add_argument("--role-switching-interval", type=float, default=1.0, metavar="SECONDS",
+                   help="auto: seconds between the controller's decisions")
+    r.add_argument("--role-switching-window", type=float, default=10.0, metavar="SECONDS",
+                   help="auto: the latencies the controller reads are those of the last SECONDS")
     g.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every path but /health (default: $EPDSERVE_API_KEY, "
                         "which keeps the key out of process listings)")
-    g.add_argument("--public-metrics", action="store_true", help="serve /metrics and /v1/workers without the API key")
+    g.add_argument("--public-metrics", action="store_true", help="serve /metrics, /v1/workers and /v1/roles without the API key")
     g.add_argument("--max-n", type=int, default=16, help="sequences one request may ask for (n)")
     g.add_argument("--max-request-bytes", type=int, default=64 << 20,
                    help="largest request body in bytes (then 413)")
@@ -141,8 +159,24 @@ def plan_workers(ns: argparse.Namespace) -> list[str]:
         raise ConfigError("--max-n and --max-request-bytes must be at least 1")
     if ns.max_images_per_request < 1 or ns.encode_batch_images < 1:
         raise ConfigError("--max-images-per-request and --encode-batch-images must be at least 1")
+    if ns.role_switching != "off" and colocated and (prefill or decode):
+        raise ConfigError("--role-switching moves workers within one layout: P/D or colocated, not both")
     # Encode workers first: with fewer cores than workers, they share a core with decode.
     return [Role.ENCODE] * encode + [Role.PREFILL] * prefill + [Role.DECODE] * decode + [Role.COLOCATED] * colocated
+
+
+def role_control_config(ns: argparse.Namespace, class_slos: dict[str, ClassSLO]) -> RoleControlConfig | None:
+    """``--role-switching auto``'s controller settings (None for off and manual)."""
+    if ns.role_switching != "auto":
+        return None
+    slo = (parse_slo(ns.role_switching_slo, "--role-switching-slo") if ns.role_switching_slo
+           else class_slos.get(DEFAULT_CLASS))
+    if slo is None or slo.ttft_s is None or slo.tpot_s is None:
+        raise ConfigError("--role-switching auto needs a TTFT and a TPOT target: --role-switching-slo "
+                          "ttft:MS,tpot:MS (or --service-class-slo interactive=ttft:MS,tpot:MS)")
+    return RoleControlConfig(slo.ttft_s, slo.tpot_s, interval_s=ns.role_switching_interval,
+                             window_s=ns.role_switching_window, min_dwell_s=ns.role_switching_dwell,
+                             cooldown_s=ns.role_switching_cooldown)
 
 
 def is_vlm_checkpoint(model: str | None) -> bool:
@@ -226,10 +260,12 @@ async def serve(ns: argparse.Namespace) -> int:
     # Structured outputs check grammars against the tokenizer: built meanwhile, not at the first
     # such request (a daemon thread: nothing to stop).
     threading.Thread(target=served.grammar_tokenizer, name="grammar-tokenizer", daemon=True).start()
+    class_slos = parse_class_slos(ns.service_class_slo)
     config = RouterConfig(transfer_timeout_s=ns.transfer_timeout, transfer_policy=ns.transfer_policy,
                           max_pending=ns.max_pending, encode_pipelined=not ns.no_encode_pipeline,
                           routing=ns.routing, routing_ttft_slo_s=ns.routing_ttft_slo,
-                          class_slos=parse_class_slos(ns.service_class_slo), admission=ns.admission,
+                          class_slos=class_slos, admission=ns.admission,
+                          role_switching=ns.role_switching, role_control=role_control_config(ns, class_slos),
                           heartbeat_timeout_s=ns.worker_lease,
                           step_timeout_s=ns.step_timeout, first_token_timeout_s=ns.first_token_timeout)
     router = Router(key, config, host=router_host, port=ns.router_port)
@@ -258,8 +294,11 @@ async def serve(ns: argparse.Namespace) -> int:
         counters[role] = counters.get(role, 0) + 1
         worker_id = f"{role}-{counters[role] - 1}"
         log_path = f"{ns.worker_log_dir}/{worker_id}.log" if ns.worker_log_dir else None
-        role_extra = encode_extra if role == Role.ENCODE else consumer_extra if role in (Role.PREFILL, Role.COLOCATED) else []
-        if role == Role.DECODE:
+        # A worker that may switch roles takes the options of every role it may take.
+        may_switch = ns.role_switching != "off" and role != Role.ENCODE
+        role_extra = (encode_extra if role == Role.ENCODE
+                      else consumer_extra if role in (Role.PREFILL, Role.COLOCATED) or may_switch else [])
+        if role == Role.DECODE or may_switch:
             role_extra = [*role_extra, "--reservation-lease", str(ns.reservation_lease)]
         if ns.step_trace_dir and role != Role.ENCODE:
             role_extra = [*role_extra, "--step-trace-dir", ns.step_trace_dir]

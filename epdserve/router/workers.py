@@ -20,15 +20,26 @@ class WorkerState(str, Enum):
     """A worker's standing with the router::
 
         READY ──lease missed / step hung──▶ SUSPECT ──heartbeats back, reconciled, registers──▶ READY
-          │                                    │
-          └──────────── process exited ────────┴──▶ DEAD (a restarted process registers anew)
+          │  ▲                                 │
+          │  └── registers in its new role ──┐ └──▶ DEAD (process exited; a restarted one registers anew)
+          │                                  │
+          └─ switch of role ─▶ DRAINING ─▶ SWITCHING        (role_switch.py)
+             begins            holds nothing: SwitchRole sent
 
-    Only READY workers get requests; entering SUSPECT or DEAD fails the requests in hand.
+    Only READY workers get new requests. A DRAINING one still serves what it holds (it beats,
+    and losing it fails those requests as losing a READY one does); a SWITCHING one holds
+    nothing and is rebuilding its role. Entering SUSPECT or DEAD fails the requests in hand.
     """
 
     READY = "ready"
+    DRAINING = "draining"
+    SWITCHING = "switching"
     SUSPECT = "suspect"
     DEAD = "dead"
+
+
+# States in which a worker serves the requests it holds (heartbeats expected).
+SERVING_STATES = (WorkerState.READY, WorkerState.DRAINING)
 
 
 @dataclass
@@ -48,6 +59,12 @@ class WorkerInfo:
     # Of them, those not of the default scheduling key (epdserve.service): request id -> key.
     prefill_keys: dict[str, int] = field(default_factory=dict)
     last_reconcile: float = 0.0  # monotonic seconds: when a Reconcile was last sent (SUSPECT)
+    # Switches of role (role_switch.py): the role it drains for (DRAINING, SWITCHING), when the
+    # switch began, and when it last took a role (registration; monotonic seconds).
+    switch_to: str | None = None
+    switch_began: float = 0.0
+    role_since: float = field(default_factory=time.monotonic)
+    num_switches: int = 0
     # Read on every routing decision (a simulated cluster of a hundred instances makes millions):
     # plain attributes, copied from the registration.
     worker_id: str = field(init=False)
@@ -119,6 +136,11 @@ class WorkerInfo:
     def is_ready(self) -> bool:
         return self.state is WorkerState.READY
 
+    @property
+    def is_serving(self) -> bool:
+        """It runs the requests it holds (READY or DRAINING)."""
+        return self.state in SERVING_STATES
+
     def as_json(self) -> dict:
         load = self.load
         return {
@@ -131,6 +153,8 @@ class WorkerInfo:
             "kv_listener": _listener(self.registration.kv_endpoint),
             "slab_listener": _listener(self.registration.slab),
             "state": self.state.value,
+            **({"switch_to": self.switch_to} if self.switch_to else {}),
+            "num_role_switches": self.num_switches,
             "load": {
                 "num_requests": len(self.request_ids),
                 "num_running": load.num_running,

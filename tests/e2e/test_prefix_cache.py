@@ -178,7 +178,11 @@ def test_evicted_prefix_is_reloaded_from_host_then_disk_and_a_corrupt_block_is_a
     host_dir = tmp_path_factory_shm()
     disk_dir = tmp_path / "disk"
     try:
-        workers = ["--colocated-workers", "1"] if layout == "colocated" else ["--prefill-workers", "1"]
+        # P/D over TCP: over shared memory the prefill worker would copy a prefix the decode worker
+        # still holds from its pages (test_prefix_held_by_decode_alone_is_copied_from_its_pages)
+        # instead of loading it from the tiers this test is about.
+        workers = (["--colocated-workers", "1"] if layout == "colocated"
+                   else ["--prefill-workers", "1", "--kv-transport", "tcp"])
         server = start_server(SMALL + workers + ["--num-kv-blocks", "40", "--dtype", "float32",
                                        "--kv-host-tier-gib", "0.05", "--kv-host-tier-dir", host_dir,
                                        "--kv-disk-tier-gib", "0.2", "--kv-disk-tier-dir", str(disk_dir),

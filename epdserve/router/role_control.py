@@ -1,0 +1,199 @@
+"""When a worker should change role: the controller behind ``--role-switching auto``.
+
+Every ``interval_s`` the controller reads how close each side of a P/D cluster is to its SLO,
+as a pressure (1.0: at the SLO)::
+
+    prefill pressure = max(TTFT P90 of the window / TTFT SLO,
+                           prompt work queued per prefill worker (s) / TTFT SLO)
+    decode pressure  = max(ITL P90 of the window / TPOT SLO,
+                           KV blocks in use on the decode workers / KV_FULL)
+
+and moves one worker from the side with slack to the side under pressure when
+
+    the needy side's pressure > high                      (it is about to miss its SLO)
+    and the donor's pressure x n / (n - 1) < low          (it still has slack after losing one
+                                                           of its n workers; low < high)
+
+has held for ``num_confirm`` decisions in a row. Hysteresis keeps it from flapping: the band
+between ``low`` and ``high`` (a switch cannot make the donor side need the worker back: its
+projected pressure stays under ``low``), a minimum time in a role per worker (``min_dwell_s``),
+one switch at a time, and a ``cooldown_s`` after each. The donor is its side's ready worker
+with the fewest requests in hand (the quickest to drain) among those past their dwell.
+
+Plain Python over ``WorkerInfo``: the router (core.py) and the simulator (sim/roles.py) run
+this same controller, the router on measured latencies, the simulator on simulated ones.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from epdserve.errors import ConfigError
+from epdserve.roles import Role
+from epdserve.router.workers import WorkerInfo, WorkerState
+
+KV_FULL = 0.9  # share of a decode worker's KV blocks in use at which decode pressure is 1.0
+MAX_SAMPLES = 4096  # latencies kept per window (the newest)
+
+
+@dataclass(frozen=True)
+class RoleControlConfig:
+    ttft_slo_s: float
+    tpot_slo_s: float
+    interval_s: float = 1.0  # seconds between decisions
+    window_s: float = 10.0  # latencies older than this are forgotten (seconds)
+    high: float = 0.9  # a side above this pressure wants a worker
+    low: float = 0.7  # the donor side's pressure after the switch stays below this
+    min_dwell_s: float = 30.0  # a worker keeps a role at least this long (seconds)
+    cooldown_s: float = 10.0  # after a switch ends, before the next may begin (seconds)
+    num_confirm: int = 3  # consecutive decisions that agree before a switch begins
+    min_samples: int = 8  # latencies a window needs before its percentile counts
+
+    def __post_init__(self) -> None:
+        for name in ("ttft_slo_s", "tpot_slo_s", "interval_s", "window_s"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and 0 < value < math.inf):
+                raise ConfigError(f"role control: {name} must be a finite number > 0, got {value!r}")
+        if not 0 < self.low < self.high:
+            raise ConfigError(f"role control: need 0 < low < high, got low={self.low}, high={self.high}")
+        if self.min_dwell_s < 0 or self.cooldown_s < 0 or self.num_confirm < 1 or self.min_samples < 1:
+            raise ConfigError("role control: dwell and cooldown must be >= 0, num_confirm and min_samples >= 1")
+
+
+class LatencyWindow:
+    """Latencies of the last ``window_s`` seconds (at most ``MAX_SAMPLES``), with weights."""
+
+    def __init__(self, window_s: float) -> None:
+        self.window_s = window_s
+        self.samples: deque[tuple[float, float, float]] = deque(maxlen=MAX_SAMPLES)  # (time, seconds, weight)
+
+    def add(self, now: float, seconds: float, weight: float = 1.0) -> None:
+        self.samples.append((now, seconds, weight))
+
+    def percentile(self, now: float, q: float, min_samples: int) -> float | None:
+        """The weighted ``q``-quantile (0..1) of the window; None with fewer than ``min_samples``."""
+        samples = self.samples
+        start = now - self.window_s
+        while samples and samples[0][0] < start:
+            samples.popleft()
+        if len(samples) < min_samples:
+            return None
+        ordered = sorted((s, w) for _, s, w in samples)
+        total = sum(w for _, w in ordered)
+        target, acc = q * total, 0.0
+        for seconds, weight in ordered:
+            acc += weight
+            if acc >= target:
+                return seconds
+        return ordered[-1][0]
+
+
+@dataclass(frozen=True)
+class Pressure:
+    """How close each side is to its SLO (1.0: at it), and what that came from."""
+
+    prefill: float
+    decode: float
+    ttft_p90_s: float | None
+    itl_p90_s: float | None
+    queued_prefill_s: float  # prompt work queued per ready prefill worker
+    kv_usage: float  # share of the decode workers' KV blocks in use
+
+    def as_json(self) -> dict:
+        return {"prefill": round(self.prefill, 3), "decode": round(self.decode, 3), "ttft_p90_s": self.ttft_p90_s,
+                "itl_p90_s": self.itl_p90_s, "queued_prefill_s": round(self.queued_prefill_s, 4),
+                "kv_usage": round(self.kv_usage, 3)}
+
+
+@dataclass(frozen=True)
+class Switch:
+    """One decision: move ``worker_id`` to ``to_role``."""
+
+    worker_id: str
+    from_role: str
+    to_role: str
+    pressure: Pressure
+
+
+class RoleController:
+    def __init__(self, config: RoleControlConfig) -> None:
+        self.config = config
+        self.ttft = LatencyWindow(config.window_s)
+        self.itl = LatencyWindow(config.window_s)
+        self.last_switch_end = -math.inf  # when the last switch's worker took its new role
+        self.last_pressure: Pressure | None = None
+        self._want: tuple[str, str] | None = None  # (from role, to role) the last decisions agreed on
+        self._num_agreeing = 0
+
+    # -- what it is told -----------------------------------------------------------------
+    def observe_ttft(self, now: float, seconds: float) -> None:
+        self.ttft.add(now, seconds)
+
+    def observe_itl(self, now: float, seconds: float, weight: float = 1.0) -> None:
+        """A gap between two tokens of a decoding request (``weight`` requests' gaps at once)."""
+        self.itl.add(now, seconds, weight)
+
+    def on_switched(self, now: float) -> None:
+        """A switch ended (its worker registered in the new role): the cooldown starts."""
+        self.last_switch_end = now
+
+    # -- deciding ------------------------------------------------------------------------
+    def pressure(self, now: float, workers: Iterable[WorkerInfo]) -> Pressure:
+        cfg = self.config
+        queued_s, num_prefill, used, total = 0.0, 0, 0, 0
+        for w in workers:
+            if w.state is not WorkerState.READY:
+                continue
+            if w.role == Role.PREFILL:
+                queued_s += w.num_prefill_tokens * w.prefix_cost.per_prefill_token_s
+                num_prefill += 1
+            elif w.role == Role.DECODE:
+                used += w.load.num_used_blocks
+                total += w.load.num_used_blocks + w.load.num_free_blocks
+        queued_s /= max(num_prefill, 1)
+        kv_usage = used / total if total else 0.0
+        ttft = self.ttft.percentile(now, 0.9, cfg.min_samples)
+        itl = self.itl.percentile(now, 0.9, cfg.min_samples)
+        prefill = max(ttft / cfg.ttft_slo_s if ttft is not None else 0.0, queued_s / cfg.ttft_slo_s)
+        decode = max(itl / cfg.tpot_slo_s if itl is not None else 0.0, kv_usage / KV_FULL)
+        return Pressure(prefill, decode, ttft, itl, queued_s, kv_usage)
+
+    def decide(self, now: float, workers: list[WorkerInfo]) -> Switch | None:
+        """The switch to begin now, if any (call every ``interval_s``)."""
+        cfg = self.config
+        pressure = self.last_pressure = self.pressure(now, workers)
+        if any(w.state in (WorkerState.DRAINING, WorkerState.SWITCHING) for w in workers):
+            return self._agree(None)  # one switch at a time
+        if now - self.last_switch_end < cfg.cooldown_s:
+            return self._agree(None)
+        ready = {Role.PREFILL: [], Role.DECODE: []}
+        for w in workers:
+            if w.state is WorkerState.READY and w.role in ready:
+                ready[w.role].append(w)
+        num_prefill, num_decode = len(ready[Role.PREFILL]), len(ready[Role.DECODE])
+        want = None
+        if (pressure.prefill > cfg.high and num_decode > 1
+                and pressure.decode * num_decode / (num_decode - 1) < cfg.low):
+            want = (Role.DECODE, Role.PREFILL)
+        elif (pressure.decode > cfg.high and num_prefill > 1
+              and pressure.prefill * num_prefill / (num_prefill - 1) < cfg.low):
+            want = (Role.PREFILL, Role.DECODE)
+        if self._agree(want) is None or self._num_agreeing < cfg.num_confirm:
+            return None
+        donors = [w for w in ready[want[0]] if now - w.role_since >= cfg.min_dwell_s]
+        if not donors:
+            return None
+        donor = min(donors, key=lambda w: (len(w.request_ids), w.num_prefill_tokens, w.worker_id))
+        self._want, self._num_agreeing = None, 0
+        return Switch(donor.worker_id, want[0], want[1], pressure)
+
+    def _agree(self, want: tuple[str, str] | None) -> tuple[str, str] | None:
+        if want is None or want != self._want:
+            self._num_agreeing = 0
+        self._want = want
+        if want is not None:
+            self._num_agreeing += 1
+        return want
