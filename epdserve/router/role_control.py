@@ -26,6 +26,7 @@ this same controller, the router on measured latencies, the simulator on simulat
 
 from __future__ import annotations
 
+import argparse
 import math
 from collections import deque
 from collections.abc import Iterable
@@ -34,6 +35,7 @@ from dataclasses import dataclass
 from epdserve.errors import ConfigError
 from epdserve.roles import Role
 from epdserve.router.workers import WorkerInfo, WorkerState
+from epdserve.service import DEFAULT_CLASS, ClassSLO, parse_slo
 
 KV_FULL = 0.9  # share of a decode worker's KV blocks in use at which decode pressure is 1.0
 MAX_SAMPLES = 4096  # latencies kept per window (the newest)
@@ -79,9 +81,11 @@ class LatencyWindow:
         start = now - self.window_s
         while samples and samples[0][0] < start:
             samples.popleft()
-        if len(samples) < min_samples:
+        # (Samples may come a little out of time order: the simulator reports a fast-forwarded
+        # stretch of decode steps when it ends.)
+        ordered = sorted((s, w) for t, s, w in samples if t >= start)
+        if len(ordered) < min_samples:
             return None
-        ordered = sorted((s, w) for _, s, w in samples)
         total = sum(w for _, w in ordered)
         target, acc = q * total, 0.0
         for seconds, weight in ordered:
@@ -197,3 +201,38 @@ class RoleController:
         if want is not None:
             self._num_agreeing += 1
         return want
+
+
+# -- command line (epdserve serve, simulate, plan) ---------------------------------------------
+def add_role_switching_args(group: argparse._ArgumentGroup, modes: tuple[str, ...]) -> None:
+    """``--role-switching MODE`` and the controller's settings; ``modes``: what the command takes."""
+    group.add_argument("--role-switching", choices=modes, default="off",
+                       help="move prefill and decode workers between roles at run time, in their own processes"
+                            + (": manual (POST /v1/workers/{id}/role), or auto (also " if "manual" in modes
+                               else ": auto (") + "a controller that moves one worker at a time from the side with "
+                                                  "slack to the side near its SLO)")
+    group.add_argument("--role-switching-slo", default=None, metavar="ttft:MS,tpot:MS",
+                       help="auto: the SLO the controller keeps (default: the interactive class's "
+                            "--service-class-slo)")
+    group.add_argument("--role-switching-dwell", type=float, default=30.0, metavar="SECONDS",
+                       help="auto: a worker keeps a role at least this long")
+    group.add_argument("--role-switching-cooldown", type=float, default=10.0, metavar="SECONDS",
+                       help="auto: after a switch ends, before the next one may begin")
+    group.add_argument("--role-switching-interval", type=float, default=1.0, metavar="SECONDS",
+                       help="auto: seconds between the controller's decisions")
+    group.add_argument("--role-switching-window", type=float, default=10.0, metavar="SECONDS",
+                       help="auto: the latencies the controller reads are those of the last SECONDS")
+
+
+def role_control_config(ns: argparse.Namespace, class_slos: dict[str, ClassSLO]) -> RoleControlConfig | None:
+    """``--role-switching auto``'s controller settings (None for off and manual)."""
+    if ns.role_switching != "auto":
+        return None
+    slo = (parse_slo(ns.role_switching_slo, "--role-switching-slo") if ns.role_switching_slo
+           else class_slos.get(DEFAULT_CLASS))
+    if slo is None or slo.ttft_s is None or slo.tpot_s is None:
+        raise ConfigError("--role-switching auto needs a TTFT and a TPOT target: --role-switching-slo "
+                          "ttft:MS,tpot:MS (or --service-class-slo interactive=ttft:MS,tpot:MS)")
+    return RoleControlConfig(slo.ttft_s, slo.tpot_s, interval_s=ns.role_switching_interval,
+                             window_s=ns.role_switching_window, min_dwell_s=ns.role_switching_dwell,
+                             cooldown_s=ns.role_switching_cooldown)

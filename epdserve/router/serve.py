@@ -20,10 +20,10 @@ from epdserve.envs import EPDSERVE_API_KEY, get_api_key
 from epdserve.errors import ConfigError
 from epdserve.roles import Role
 from epdserve.router.admission import ADMISSION_POLICIES
-from epdserve.router.role_control import RoleControlConfig
+from epdserve.router.role_control import add_role_switching_args, role_control_config
 from epdserve.router.role_switch import ROLE_SWITCHING
 from epdserve.router.workers import DEFAULT_ROUTING, ROUTING_POLICIES
-from epdserve.service import DEFAULT_CLASS, ClassSLO, parse_class_slos, parse_slo
+from epdserve.service import parse_class_slos
 from epdserve.transfer.locality import TRANSPORTS
 
 log = logging.getLogger("epdserve.serve")
@@ -77,22 +77,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                    help="queue: refuse only at the queue bounds (429) and KV bounds (503); predictive: also refuse "
                         "at once (429 slo_unreachable, Retry-After) a request of a class with a TTFT SLO that no "
                         "worker is predicted to meet from what is queued there (batch work is deferred instead)")
-    r = parser.add_argument_group("role switching")
-    r.add_argument("--role-switching", choices=ROLE_SWITCHING, default="off",
-                   help="move prefill and decode workers between roles at run time, in their own processes: "
-                        "manual (POST /v1/workers/{id}/role), or auto (also a controller that moves one worker "
-                        "at a time from the side with slack to the side near its SLO)")
-    r.add_argument("--role-switching-slo", default=None, metavar="ttft:MS,tpot:MS",
-                   help="auto: the SLO the controller keeps (default: the interactive class's "
-                        "--service-class-slo)")
-    r.add_argument("--role-switching-dwell", type=float, default=30.0, metavar="SECONDS",
-                   help="auto: a worker keeps a role at least this long")
-    r.add_argument("--role-switching-cooldown", type=float, default=10.0, metavar="SECONDS",
-                   help="auto: after a switch ends, before the next one may begin")
-    r.add_argument("--role-switching-interval", type=float, default=1.0, metavar="SECONDS",
-                   help="auto: seconds between the controller's decisions")
-    r.add_argument("--role-switching-window", type=float, default=10.0, metavar="SECONDS",
-                   help="auto: the latencies the controller reads are those of the last SECONDS")
+    add_role_switching_args(parser.add_argument_group("role switching"), ROLE_SWITCHING)
     g.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every path but /health (default: $EPDSERVE_API_KEY, "
                         "which keeps the key out of process listings)")
@@ -163,20 +148,6 @@ def plan_workers(ns: argparse.Namespace) -> list[str]:
         raise ConfigError("--role-switching moves workers within one layout: P/D or colocated, not both")
     # Encode workers first: with fewer cores than workers, they share a core with decode.
     return [Role.ENCODE] * encode + [Role.PREFILL] * prefill + [Role.DECODE] * decode + [Role.COLOCATED] * colocated
-
-
-def role_control_config(ns: argparse.Namespace, class_slos: dict[str, ClassSLO]) -> RoleControlConfig | None:
-    """``--role-switching auto``'s controller settings (None for off and manual)."""
-    if ns.role_switching != "auto":
-        return None
-    slo = (parse_slo(ns.role_switching_slo, "--role-switching-slo") if ns.role_switching_slo
-           else class_slos.get(DEFAULT_CLASS))
-    if slo is None or slo.ttft_s is None or slo.tpot_s is None:
-        raise ConfigError("--role-switching auto needs a TTFT and a TPOT target: --role-switching-slo "
-                          "ttft:MS,tpot:MS (or --service-class-slo interactive=ttft:MS,tpot:MS)")
-    return RoleControlConfig(slo.ttft_s, slo.tpot_s, interval_s=ns.role_switching_interval,
-                             window_s=ns.role_switching_window, min_dwell_s=ns.role_switching_dwell,
-                             cooldown_s=ns.role_switching_cooldown)
 
 
 def is_vlm_checkpoint(model: str | None) -> bool:

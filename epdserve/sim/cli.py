@@ -13,6 +13,7 @@ from pathlib import Path
 import msgspec
 
 from epdserve.errors import ConfigError, EpdserveError
+from epdserve.router.role_control import add_role_switching_args, role_control_config
 from epdserve.router.workers import DEFAULT_ROUTING, ROUTING_POLICIES
 from epdserve.service import parse_class_mix, parse_class_slos
 
@@ -67,6 +68,9 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
     c.add_argument("--max-waiting-per-worker", type=int, default=None, help="router: queued per worker (default 256)")
     c.add_argument("--heartbeat-s", type=float, default=0.2, help="load reports reach the router this often")
     c.add_argument("--no-fast-forward", action="store_true", help="step every decode step (slower, same result)")
+    add_role_switching_args(c, ("off", "auto"))
+    c.add_argument("--role-switch-s", type=float, default=0.4, metavar="SECONDS",
+                   help="auto: a drained worker's time to come back in its new role (measured: 0.4 s)")
     c.add_argument("--instances-per-host", type=int, default=1,
                    help="instances sharing a host, in topology order; a calibrated profile's neighbour slowdown "
                         "applies among them")
@@ -159,6 +163,8 @@ def sim_config_kwargs(ns: argparse.Namespace) -> dict:
         "class_mix": parse_class_mix(ns.class_mix),
         "class_seed": getattr(ns, "seed", 0),
         "class_slos": parse_class_slos(ns.service_class_slo),
+        "role_control": role_control_config(ns, parse_class_slos(ns.service_class_slo)),
+        "role_switch_s": ns.role_switch_s,
         "admission": ns.admission,
         "kv_host_tier_gib": ns.kv_host_tier_gib,
         "kv_disk_tier_gib": ns.kv_disk_tier_gib,

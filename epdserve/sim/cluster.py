@@ -216,6 +216,7 @@ class ClusterSim(SimLoop):
                 self._push_kv(inst, out.scheduled, now, step_s)
         inst.is_busy = True
         inst.out = out
+        inst.step_start = now
         inst.num_steps += 1
         inst.busy_s += step_s
         self._push_step_end(inst, now + step_s)
@@ -246,8 +247,13 @@ class ClusterSim(SimLoop):
 
     def _on_step_end(self, inst: StepInstance) -> None:
         stretch = inst.stretch
+        roles = self.roles
         if stretch is not None:
             fastforward.advance(inst, stretch, stretch.num_steps, self._token_times(inst))
+            if roles is not None and inst.role == "decode":
+                num_seqs = len(stretch.requests)
+                for end, step_s in zip(stretch.ends, stretch.step_s):
+                    roles.observe_decode_step(end, step_s, num_seqs)
             inst.stretch = None
             inst.is_busy = False
             self._kick(inst)
@@ -258,6 +264,8 @@ class ClusterSim(SimLoop):
         finished = inst.scheduler.update(out, sampled)
         self._publish_kv_events(inst)
         flights = self.flights
+        if roles is not None and inst.role == "decode":
+            roles.observe_decode_step(now, now - inst.step_start, len(sampled))
         if inst.role != "decode":
             for entry in out.scheduled:
                 request = entry.request
@@ -268,6 +276,8 @@ class ClusterSim(SimLoop):
                         inst.worker.prefilled(request.request_id)
                         if self.watch is not None:
                             self.watch.on_first_token(flight.index, now - flight.arrived)
+                        if roles is not None:
+                            roles.observe_ttft(now, now - flight.arrived)
                         request.record(EventType.PREFILL_END, now)
                         request.record(EventType.FIRST_TOKEN, now)
         if self.detail_ids:
@@ -284,6 +294,8 @@ class ClusterSim(SimLoop):
                 request.record(EventType.FINISHED, now)
                 self._complete(flight, len(request.output_token_ids))
         self._kick(inst)
+        if roles is not None and roles.draining:
+            roles.poll(now)
 
     def _complete(self, flight: Flight, num_output: int) -> None:
         flight.finished = self.now
@@ -313,6 +325,8 @@ class ClusterSim(SimLoop):
             decode.scheduler.add_prefilled(request)
         self._kick(decode)
         self._kick(prefill)
+        if self.roles is not None and self.roles.draining:
+            self.roles.poll(self.now)
 
     # -- encode instances ----------------------------------------------------------------
     def _kick_encoder(self, enc: EncodeInstance) -> None:

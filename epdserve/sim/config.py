@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from epdserve.errors import ConfigError
 from epdserve.router.admission import ADMISSION_POLICIES, DEFAULT_MAX_PENDING, DEFAULT_MAX_WAITING_PER_WORKER
+from epdserve.router.role_control import RoleControlConfig
 from epdserve.router.workers import DEFAULT_ROUTING
 from epdserve.service import SERVICE_CLASSES, ClassSLO
 from epdserve.sim.instance import SHM_BYTES_PER_S
@@ -43,6 +44,11 @@ class SimConfig:
     class_seed: int = 0
     class_slos: dict[str, ClassSLO] = field(default_factory=dict)
     admission: str = "queue"
+    # Role switching (sim/roles.py; as serve --role-switching auto): the controller's settings
+    # (None: roles stay as the topology set them; a colocated topology has none to switch) and
+    # the seconds a drained worker takes to come back in its new role.
+    role_control: RoleControlConfig | None = None
+    role_switch_s: float = 0.4
 
     @property
     def has_kv_tiers(self) -> bool:
@@ -66,6 +72,7 @@ class SimConfig:
              and (not self.class_mix or sum(self.class_mix.values()) > 0),
              f"class mix takes shares >= 0 of {', '.join(SERVICE_CLASSES)}, not all 0: {self.class_mix}"),
             (self.admission in ADMISSION_POLICIES, f"admission must be one of {', '.join(ADMISSION_POLICIES)}"),
+            (self.role_switch_s >= 0, f"role switch time must be >= 0 s, got {self.role_switch_s}"),
         ]
         for ok, message in checks:
             if not ok:

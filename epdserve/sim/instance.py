@@ -118,6 +118,7 @@ class StepInstance:
         self.worker.load = self.load()
         self.is_busy = False
         self.busy_until = 0.0  # when the step (or stretch step) in flight ends
+        self.step_start = 0.0  # when the stepped step in flight began
         self.out: SchedulerOutput | None = None  # the step in flight
         self.stretch = None  # fastforward.Stretch in flight instead of one step
         self.epoch = 0  # bumped when a stretch is cut short: its pending end event is stale

@@ -3,7 +3,7 @@
 Events sit in one heap as ``(time_s, kind, order, seq, payload)``. At equal times lower kinds
 go first, so work that arrives at an instant is visible to a step that ends at that instant::
 
-    ARRIVAL < EMBED_DONE < TRANSFER_DONE < ENCODE_END < STEP_END < RESERVED < HEARTBEAT
+    ARRIVAL < EMBED_DONE < TRANSFER_DONE < ENCODE_END < STEP_END < RESERVED < HEARTBEAT < ROLE_SWITCHED
 
 and step ends at one instant go in instance order (``order``), the rest in push order.
 ``SimLoop.run`` pops them and calls the handler of each kind (``_on_arrival`` ..), which the
@@ -32,9 +32,10 @@ from epdserve.sim.cost_model import CostModel
 from epdserve.sim.instance import EncodeInstance, Link, StepInstance, role_summary
 from epdserve.sim.kv_tiers import SimStore
 from epdserve.sim.results import Flight, MissWatch, Recorder
+from epdserve.sim.roles import SimRoleSwitching
 from epdserve.sim.workload import SimWorkload
 
-ARRIVAL, EMBED_DONE, TRANSFER_DONE, ENCODE_END, STEP_END, RESERVED, HEARTBEAT = range(7)
+ARRIVAL, EMBED_DONE, TRANSFER_DONE, ENCODE_END, STEP_END, RESERVED, HEARTBEAT, ROLE_SWITCHED = range(8)
 
 
 class SimLoop:
@@ -58,6 +59,7 @@ class SimLoop:
             cost.encoder()
         lengths = workload.input_lens + workload.output_lens + self.num_image_tokens
         self.max_model_len = config.max_model_len or max(2, int(lengths.max()))
+        self.now = 0.0
         self.instances: list[StepInstance | EncodeInstance] = []
         self.registry = WorkerRegistry(config.routing, config.routing_ttft_slo_s)
         # prefix-aware routing: instances report the blocks they cache and evict (KV events)
@@ -68,10 +70,12 @@ class SimLoop:
         for role in topo.roles:
             for i in range(topo.count(role)):
                 self._add_instance(role, f"{role}-{i}")
-        per_host = config.instances_per_host
         for inst in self.instances:
-            host = inst.index // per_host
-            inst.neighbours = [o for o in self.instances if o is not inst and o.index // per_host == host]
+            self._set_neighbours(inst)
+        # --role-switching auto: the router's controller on these instances (sim/roles.py)
+        self.roles = (SimRoleSwitching(config.role_control, config.role_switch_s, self.registry, self.instances,
+                                       self.by_worker_id, self.schedule_switch)
+                      if config.role_control is not None and topo.is_split else None)
         # A step's time then depends on the other instances' state, which a fast-forwarded
         # stretch cannot see: step every step.
         self.is_fast_forward = config.is_fast_forward and not any(
@@ -84,13 +88,23 @@ class SimLoop:
         self.heap: list = []
         self.seq = 0
         self.num_pending_events = 0  # in the heap, heartbeats not counted
-        self.now = 0.0
         self.stats = SimStats()
         self._filler = workload.make_filler()
         self._params: dict[tuple[int, int], SamplingParams] = {}
         self.class_ids = self._draw_classes()  # per request, an index into SERVICE_CLASSES
 
+    def _set_neighbours(self, inst: StepInstance | EncodeInstance) -> None:
+        per_host = self.config.instances_per_host
+        host = inst.index // per_host
+        inst.neighbours = [o for o in self.instances if o is not inst and o.index // per_host == host]
+
     def _add_instance(self, role: str, worker_id: str) -> None:
+        inst = self._make_instance(role, worker_id, len(self.instances))
+        self.instances.append(inst)
+        self.registry.add(inst.worker)
+        self.by_worker_id[worker_id] = inst
+
+    def _make_instance(self, role: str, worker_id: str, index: int) -> StepInstance | EncodeInstance:
         cost, config = self.cost, self.config
         link = Link(config.link_bytes_per_s)
         if role == "encode":
@@ -103,16 +117,34 @@ class SimLoop:
                     f"the profile's {role} role holds {capacity} tokens of KV; the workload's longest "
                     f"request needs {self.max_model_len} (pass a smaller max model length)"
                 )
-            node = f"sim-host-{len(self.instances) // config.instances_per_host}"
+            node = f"sim-host-{index // config.instances_per_host}"
             inst = StepInstance(worker_id, profile, cost.block_size, self.max_model_len, config.enable_prefix_caching,
                                 config.max_num_seqs.get(role), link if role == "prefill" else None, cost.model,
                                 node, self._store(node), self.kv_tiers, cost.bytes_per_block())
-        inst.index = len(self.instances)
-        self.instances.append(inst)
-        self.registry.add(inst.worker)
+        inst.index = index
+        inst.worker.role_since = self.now  # the simulator's clock (registered now)
         if self.is_prefix_aware and role != "encode":
             inst.kv_cache.record_events()
-        self.by_worker_id[worker_id] = inst
+        return inst
+
+    # -- role switching (sim/roles.py) ---------------------------------------------------
+    def schedule_switch(self, when: float, inst: StepInstance) -> None:
+        """The drained ``inst`` is back in its new role at ``when``."""
+        self._push(when, ROLE_SWITCHED, inst)
+
+    def _on_role_switched(self, old: StepInstance) -> None:
+        """A fresh instance of the new role takes ``old``'s place (id, host, position) and
+        registers, as a switched worker does."""
+        new = self._make_instance(old.worker.switch_to, old.worker.worker_id, old.index)
+        new.worker.num_switches = old.worker.num_switches + 1
+        new.num_steps, new.busy_s = old.num_steps, old.busy_s
+        self.instances[old.index] = new
+        self.by_worker_id[new.worker.worker_id] = new
+        self.registry.add(new.worker)
+        for inst in self.instances:
+            if inst is new or old in inst.neighbours:
+                self._set_neighbours(inst)
+        self.roles.on_switched(self.now, new)
 
     def _draw_classes(self) -> np.ndarray:
         """Each request's class (``service.draw_classes``, as bench draws them) as an index."""
@@ -215,6 +247,8 @@ class SimLoop:
                 self._on_embed_done(*payload)
             elif kind == RESERVED:
                 self._submit(*payload)
+            elif kind == ROLE_SWITCHED:
+                self._on_role_switched(payload)
             else:
                 self._on_heartbeat(payload)
         self.stats = SimStats(perf_counter() - started, num_events, self.now)
@@ -225,6 +259,8 @@ class SimLoop:
             stretch = getattr(inst, "stretch", None)
             inst.worker.load = inst.load() if stretch is None else fastforward.load(inst, stretch, self.now)
             inst.worker.num_submitted = 0
+        if self.roles is not None:
+            self.roles.on_heartbeat(self.now)
         if self.flights and self.num_pending_events == 0:
             raise ConfigError(
                 f"simulation stalled at {self.now:.3f} s with {len(self.flights)} requests that no instance "
@@ -276,6 +312,7 @@ class SimLoop:
             "sim_end_s": self.stats.sim_end_s,
             "roles": role_summary(self.instances, self.stats.sim_end_s),
             "service_classes": self.class_summary(),
+            **({"role_switching": self.roles.summary(self.stats.sim_end_s)} if self.roles is not None else {}),
             **({"kv_tiers": self._tier_summary()} if self.stores else {}),
         }
 
