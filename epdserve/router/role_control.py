@@ -1,24 +1,29 @@
 """When a worker should change role: the controller behind ``--role-switching auto``.
 
 Every ``interval_s`` the controller reads how close each side of a P/D cluster is to its SLO,
-as a pressure (1.0: at the SLO)::
+as a pressure (1.0: at the SLO), from the latencies of the last ``window_s`` and the queues::
 
-    prefill pressure = max(TTFT P90 of the window / TTFT SLO,
-                           prompt work queued per prefill worker (s) / TTFT SLO)
-    decode pressure  = max(ITL P90 of the window / TPOT SLO,
-                           KV blocks in use on the decode workers / KV_FULL)
+    prefill pressure = max(TTFT P90 / TTFT SLO, prompt work queued per prefill worker / TTFT SLO)
+    decode pressure  = max(ITL P90 / TPOT SLO, share of the decode workers' KV blocks in use / KV_FULL)
 
-and moves one worker from the side with slack to the side under pressure when
+It moves one worker from the side with slack to the side under pressure when
 
-    the needy side's pressure > high                      (it is about to miss its SLO)
-    and the donor's pressure x n / (n - 1) < low          (it still has slack after losing one
-                                                           of its n workers; low < high)
+    the needy side's pressure > high                         (it is about to miss its SLO)
+    and the donor side's pressure with n - 1 workers < low   (it keeps its slack; low < high)
 
-has held for ``num_confirm`` decisions in a row. Hysteresis keeps it from flapping: the band
-between ``low`` and ``high`` (a switch cannot make the donor side need the worker back: its
-projected pressure stays under ``low``), a minimum time in a role per worker (``min_dwell_s``),
-one switch at a time, and a ``cooldown_s`` after each. The donor is its side's ready worker
-with the fewest requests in hand (the quickest to drain) among those past their dwell.
+has held for ``num_confirm`` decisions in a row. The pressure a side would have with one worker
+fewer is projected from what it has now: the load-driven part of each latency grows by
+n / (n - 1) (the same work on fewer workers), its fixed part does not::
+
+    latency with n - 1 workers = base + (P90 - base) x n / (n - 1)
+
+where ``base`` is the window's 10th percentile (a step's cost with little load: a CPU decode
+step costs 70 ms idle, and scaling that too would keep a decode worker from ever moving);
+queued work and KV in use scale whole. Hysteresis keeps it from flapping: the band between
+``low`` and ``high`` (the switch cannot make the donor side need the worker back), a minimum
+time in a role per worker (``min_dwell_s``), one switch at a time and a ``cooldown_s`` after
+each. The donor is its side's ready worker with the fewest requests in hand (the quickest to
+drain) among those past their dwell.
 
 Plain Python over ``WorkerInfo``: the router (core.py) and the simulator (sim/roles.py) run
 this same controller, the router on measured latencies, the simulator on simulated ones.
@@ -105,11 +110,35 @@ class Pressure:
     itl_p90_s: float | None
     queued_prefill_s: float  # prompt work queued per ready prefill worker
     kv_usage: float  # share of the decode workers' KV blocks in use
+    ttft_base_s: float | None = None  # the window's 10th percentiles: the latencies' fixed part
+    itl_base_s: float | None = None
+    num_prefill: int = 0  # ready workers per side
+    num_decode: int = 0
 
     def as_json(self) -> dict:
         return {"prefill": round(self.prefill, 3), "decode": round(self.decode, 3), "ttft_p90_s": self.ttft_p90_s,
                 "itl_p90_s": self.itl_p90_s, "queued_prefill_s": round(self.queued_prefill_s, 4),
                 "kv_usage": round(self.kv_usage, 3)}
+
+
+def _grown(p90: float | None, base: float | None, factor: float) -> float:
+    """A latency's P90 with its load-driven part (above ``base``) grown by ``factor``."""
+    if p90 is None:
+        return 0.0
+    base = min(base if base is not None else 0.0, p90)
+    return base + (p90 - base) * factor
+
+
+def prefill_pressure_with(p: Pressure, config: RoleControlConfig, num_workers: int) -> float:
+    """The prefill pressure with ``num_workers`` ready prefill workers instead of ``p.num_prefill``."""
+    factor = p.num_prefill / num_workers if num_workers > 0 else math.inf
+    return max(_grown(p.ttft_p90_s, p.ttft_base_s, factor), p.queued_prefill_s * factor) / config.ttft_slo_s
+
+
+def decode_pressure_with(p: Pressure, config: RoleControlConfig, num_workers: int) -> float:
+    """The decode pressure with ``num_workers`` ready decode workers instead of ``p.num_decode``."""
+    factor = p.num_decode / num_workers if num_workers > 0 else math.inf
+    return max(_grown(p.itl_p90_s, p.itl_base_s, factor) / config.tpot_slo_s, p.kv_usage * factor / KV_FULL)
 
 
 @dataclass(frozen=True)
@@ -147,7 +176,7 @@ class RoleController:
     # -- deciding ------------------------------------------------------------------------
     def pressure(self, now: float, workers: Iterable[WorkerInfo]) -> Pressure:
         cfg = self.config
-        queued_s, num_prefill, used, total = 0.0, 0, 0, 0
+        queued_s, num_prefill, num_decode, used, total = 0.0, 0, 0, 0, 0
         for w in workers:
             if w.state is not WorkerState.READY:
                 continue
@@ -157,42 +186,40 @@ class RoleController:
             elif w.role == Role.DECODE:
                 used += w.load.num_used_blocks
                 total += w.load.num_used_blocks + w.load.num_free_blocks
+                num_decode += 1
         queued_s /= max(num_prefill, 1)
         kv_usage = used / total if total else 0.0
-        ttft = self.ttft.percentile(now, 0.9, cfg.min_samples)
-        itl = self.itl.percentile(now, 0.9, cfg.min_samples)
-        prefill = max(ttft / cfg.ttft_slo_s if ttft is not None else 0.0, queued_s / cfg.ttft_slo_s)
-        decode = max(itl / cfg.tpot_slo_s if itl is not None else 0.0, kv_usage / KV_FULL)
-        return Pressure(prefill, decode, ttft, itl, queued_s, kv_usage)
+        n = cfg.min_samples
+        ttft, ttft_base = self.ttft.percentile(now, 0.9, n), self.ttft.percentile(now, 0.1, n)
+        itl, itl_base = self.itl.percentile(now, 0.9, n), self.itl.percentile(now, 0.1, n)
+        prefill = max(ttft if ttft is not None else 0.0, queued_s) / cfg.ttft_slo_s
+        decode = max((itl if itl is not None else 0.0) / cfg.tpot_slo_s, kv_usage / KV_FULL)
+        return Pressure(prefill, decode, ttft, itl, queued_s, kv_usage, ttft_base, itl_base, num_prefill, num_decode)
 
     def decide(self, now: float, workers: list[WorkerInfo]) -> Switch | None:
         """The switch to begin now, if any (call every ``interval_s``)."""
         cfg = self.config
-        pressure = self.last_pressure = self.pressure(now, workers)
+        p = self.last_pressure = self.pressure(now, workers)
         if any(w.state in (WorkerState.DRAINING, WorkerState.SWITCHING) for w in workers):
             return self._agree(None)  # one switch at a time
         if now - self.last_switch_end < cfg.cooldown_s:
             return self._agree(None)
-        ready = {Role.PREFILL: [], Role.DECODE: []}
-        for w in workers:
-            if w.state is WorkerState.READY and w.role in ready:
-                ready[w.role].append(w)
-        num_prefill, num_decode = len(ready[Role.PREFILL]), len(ready[Role.DECODE])
         want = None
-        if (pressure.prefill > cfg.high and num_decode > 1
-                and pressure.decode * num_decode / (num_decode - 1) < cfg.low):
+        if (p.prefill > cfg.high and p.num_decode > 1
+                and decode_pressure_with(p, cfg, p.num_decode - 1) < cfg.low):
             want = (Role.DECODE, Role.PREFILL)
-        elif (pressure.decode > cfg.high and num_prefill > 1
-              and pressure.prefill * num_prefill / (num_prefill - 1) < cfg.low):
+        elif (p.decode > cfg.high and p.num_prefill > 1
+              and prefill_pressure_with(p, cfg, p.num_prefill - 1) < cfg.low):
             want = (Role.PREFILL, Role.DECODE)
         if self._agree(want) is None or self._num_agreeing < cfg.num_confirm:
             return None
-        donors = [w for w in ready[want[0]] if now - w.role_since >= cfg.min_dwell_s]
+        donors = [w for w in workers if w.state is WorkerState.READY and w.role == want[0]
+                  and now - w.role_since >= cfg.min_dwell_s]
         if not donors:
             return None
         donor = min(donors, key=lambda w: (len(w.request_ids), w.num_prefill_tokens, w.worker_id))
         self._want, self._num_agreeing = None, 0
-        return Switch(donor.worker_id, want[0], want[1], pressure)
+        return Switch(donor.worker_id, want[0], want[1], p)
 
     def _agree(self, want: tuple[str, str] | None) -> tuple[str, str] | None:
         if want is None or want != self._want:

@@ -30,6 +30,9 @@ EXPERIMENTS = {
     "prefix-cache": ("epdserve.bench.experiments.prefix_cache",
                      "Mooncake conversations: least-prefill vs prefix-aware routing vs prefix-aware with KV tiers; "
                      "reload vs recompute by prefix length"),
+    "load-shift": ("epdserve.bench.experiments.load_shift",
+                   "a mix moving prefill-heavy -> decode-heavy -> back on four quota-limited workers: fixed splits vs "
+                   "role switching vs colocated; queue-bound vs predictive admission under 2x overload"),
 }
 DEFAULT_OUT_ROOT = "out"
 EXIT_BENCH_ERROR = 2
