@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
+from dataclasses import replace
 
 from epdserve.bench import BenchError
 from epdserve.bench.args import (
@@ -24,6 +25,8 @@ from epdserve.bench.args import (
     parse_percentiles,
 )
 from epdserve.bench.metrics import METRIC_NAMES
+from epdserve.errors import ConfigError
+from epdserve.service import TIER_OF_CLASS, draw_classes, parse_class_mix, parse_class_slos
 
 EXIT_BENCH_ERROR = 2
 EXIT_ALL_FAILED = 1
@@ -51,6 +54,9 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     )
     t.add_argument("--burstiness", type=float, default=1.0, help="1.0 is Poisson; gamma arrivals otherwise")
     t.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at once")
+    t.add_argument("--service-class-mix", default=None, metavar="CLASS=SHARE,...",
+                   help="each request's service class drawn with these shares (realtime, interactive, batch; "
+                        "sent as service_tier priority, default, flex); attainment per class in the result")
     add_sampling_args(p)
     r = p.add_argument_group("report")
     r.add_argument(
@@ -62,6 +68,8 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     r.add_argument(
         "--percentile-metrics", default=",".join(METRIC_NAMES), help="subset of ttft,tpot,itl,e2el"
     )
+    r.add_argument("--service-class-slo", action="append", default=None, metavar="CLASS=ttft:MS[,tpot:MS]",
+                   help="a service class's SLO: the result counts the requests of each class that met it")
     r.add_argument("--result-json", default=None, help="write the result (vLLM's key names) to this file")
     r.add_argument("--plots", default=None, metavar="DIR", help="write TTFT/ITL CDFs and a timeline as PNG")
     r.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
@@ -75,7 +83,7 @@ def _bench_serve(ns: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from epdserve.bench.client import run_benchmark
-    from epdserve.bench.metrics import compute_metrics, ttft_breakdown_ms
+    from epdserve.bench.metrics import class_attainment, compute_metrics, ttft_breakdown_ms
     from epdserve.bench.report import RunInfo, build_result, format_table, write_result_json
     from epdserve.bench.workloads import arrival_offsets, load_tokenizer
 
@@ -85,9 +93,18 @@ def _bench_serve(ns: argparse.Namespace) -> int:
     if ns.max_concurrency is not None and ns.max_concurrency < 1:
         raise BenchError(f"--max-concurrency must be >= 1, got {ns.max_concurrency}")
     normalized_base_url(ns.base_url)
+    try:
+        class_mix = parse_class_mix(ns.service_class_mix)
+        class_slos = parse_class_slos(ns.service_class_slo)
+    except ConfigError as e:
+        raise BenchError(str(e)) from None
     tokenizer = load_tokenizer(ns.tokenizer)
     workload = load_workload(ns, tokenizer)
     num_requests = len(workload.requests)
+    classes = draw_classes(class_mix, num_requests, ns.seed)
+    requests = workload.requests
+    if class_mix:
+        requests = tuple(replace(r, service_tier=TIER_OF_CLASS[c]) for r, c in zip(requests, classes))
     offsets_s = workload.arrival_offsets_s or arrival_offsets(
         num_requests, ns.request_rate, ns.burstiness, ns.seed
     )
@@ -102,7 +119,7 @@ def _bench_serve(ns: argparse.Namespace) -> int:
         print(f"Burstiness factor: {ns.burstiness} ({distribution})")
     print(f"Maximum request concurrency: {ns.max_concurrency}")
     with tqdm(total=num_requests, disable=ns.disable_tqdm) as progress:
-        run = asyncio.run(run_benchmark(config, workload.requests, offsets_s, progress))
+        run = asyncio.run(run_benchmark(config, requests, offsets_s, progress))
 
     metrics = compute_metrics(run.outputs, run.duration_s, percentiles, slos_ms, tokenizer.count)
     failures = [out.error for out in run.outputs if not out.success]
@@ -119,8 +136,11 @@ def _bench_serve(ns: argparse.Namespace) -> int:
         burstiness=ns.burstiness,
         max_concurrency=ns.max_concurrency,
     )
+    per_class = (class_attainment(run.outputs, classes, class_slos, tokenizer.count)
+                 if class_mix or class_slos else None)
     result = build_result(
-        info, run.outputs, run.duration_s, metrics, percentile_metrics, ttft_breakdown_ms(run.outputs)
+        info, run.outputs, run.duration_s, metrics, percentile_metrics, ttft_breakdown_ms(run.outputs),
+        per_class, classes,
     )
     print(format_table(result, percentile_metrics))
     if ns.result_json:

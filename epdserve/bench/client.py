@@ -88,6 +88,8 @@ def request_body(config: ClientConfig, request: SampleRequest) -> dict[str, Any]
         body["ignore_eos"] = True
     if config.return_timing:
         body["return_timing"] = True
+    if request.service_tier is not None:
+        body["service_tier"] = request.service_tier
     return body
 
 

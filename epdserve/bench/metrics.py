@@ -18,6 +18,8 @@ from typing import Any
 
 import numpy as np
 
+from epdserve.service import SERVICE_CLASSES, ClassSLO
+
 METRIC_NAMES = ("ttft", "tpot", "itl", "e2el")
 SLO_NAMES = ("ttft", "tpot", "e2el")
 # Keys of a server's per-request ``timing`` object that decompose TTFT, each in milliseconds.
@@ -165,3 +167,28 @@ def ttft_breakdown_ms(outputs: Sequence[RequestOutput]) -> dict[str, dict[str, f
         if values:
             breakdown[key] = {"mean": float(np.mean(values)), "p99": float(np.percentile(values, 99))}
     return breakdown
+
+
+def class_attainment(outputs: Sequence[RequestOutput], classes: Sequence[str], slos: Mapping[str, ClassSLO],
+                     count_tokens: Callable[[str], int] | None = None) -> dict[str, dict[str, Any]]:
+    """Per service class (``classes[i]`` is request i's): requests, those refused at admission
+    (HTTP 429), completed, and of the completed those that met the class's SLO
+    (``ClassSLO.is_met``, the router's rule; None without an SLO)."""
+    out: dict[str, dict[str, Any]] = {}
+    for name in SERVICE_CLASSES:
+        mine = [o for o, c in zip(outputs, classes) if c == name]
+        if not mine:
+            continue
+        done = [o for o in mine if o.success]
+        slo = slos.get(name)
+        met = None
+        if slo is not None:
+            met = 0
+            for o in done:
+                n = output_token_count(o, count_tokens)
+                met += slo.is_met(o.ttft_s, (o.latency_s - o.ttft_s) / (n - 1) if n > 1 else None)
+        out[name] = {"num_requests": len(mine), "num_refused": sum(1 for o in mine if "HTTP 429" in o.error),
+                     "num_completed": len(done), "num_slo_met": met,
+                     "attainment_of_completed": met / len(done) if met is not None and done else None,
+                     "attainment": met / len(mine) if met is not None else None}
+    return out

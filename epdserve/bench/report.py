@@ -43,8 +43,12 @@ def build_result(
     metrics: BenchMetrics,
     percentile_metrics: Sequence[str] = METRIC_NAMES,
     ttft_breakdown: Mapping[str, Mapping[str, float]] | None = None,
+    service_classes: Mapping[str, Mapping[str, Any]] | None = None,
+    request_classes: Sequence[str] | None = None,
 ) -> dict[str, Any]:
-    """The result dict; per-request lists are in request order, times in seconds."""
+    """The result dict; per-request lists are in request order, times in seconds.
+    ``service_classes``: attainment per class (``metrics.class_attainment``), with each
+    request's class in ``request_classes``."""
     result: dict[str, Any] = {
         "date": datetime.now().strftime("%Y%m%d-%H%M%S"),
         "endpoint_type": info.backend,
@@ -86,6 +90,9 @@ def build_result(
         result["timings"] = [dict(out.timing) if out.timing is not None else None for out in outputs]
     if ttft_breakdown:
         result["ttft_breakdown_ms"] = {k: dict(v) for k, v in ttft_breakdown.items()}
+    if service_classes:
+        result["service_classes"] = {k: dict(v) for k, v in service_classes.items()}
+        result["request_service_classes"] = list(request_classes or [])
     return result
 
 
@@ -138,6 +145,13 @@ def format_table(result: Mapping[str, Any], percentile_metrics: Sequence[str] = 
         for component, stats in breakdown.items():
             lines.append(_row(f"Mean {component}:", stats["mean"]))
             lines.append(_row(f"P99 {component}:", stats["p99"]))
+    classes = result.get("service_classes")
+    if classes:
+        lines.append(_header("Service classes", "-"))
+        for name, c in classes.items():
+            met = "" if c["attainment"] is None else f", SLO met {100 * c['attainment_of_completed']:.0f} % of completed" if c["num_completed"] else ""
+            lines.append(f"{name + ':':<14} {c['num_requests']} requests, {c['num_refused']} refused, "
+                         f"{c['num_completed']} completed{met}")
     lines.append("=" * TABLE_WIDTH)
     return "\n".join(lines)
 

@@ -33,6 +33,7 @@ class SampleRequest:
     prompt_len: int  # tokens as counted here; the server's usage.prompt_tokens replaces it when reported
     expected_output_len: int  # tokens; sent as max_tokens
     images: tuple[str, ...] = ()  # image URLs (data URLs), after the text in one chat message
+    service_tier: str | None = None  # sent as ``service_tier`` (bench serve --service-class-mix)
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
     POST /v1/completions  POST /v1/chat/completions  (stream and non-stream)
     POST /tokenize  /detokenize  (as vLLM serves them)
-    GET  /v1/models  /v1/workers  /v1/roles  /health  /metrics
+    GET  /v1/models  /v1/workers  /v1/roles  /v1/traffic  /health  /metrics
     POST /v1/workers/{worker_id}/role  (--role-switching manual|auto: move a worker to a role)
 
 User errors are 400 with OpenAI's error body, overload is 429/503 with Retry-After, a failed
@@ -155,6 +155,13 @@ def create_app(router: Router, served: ServedModel, api_key: str | None = None, 
     async def workers() -> dict:
         return {"object": "list", "mode": router.mode(),
                 "data": router.workers_json()}
+
+    @app.get("/v1/traffic")
+    async def traffic(window_s: float = 600.0) -> Response:
+        """The requests of the last ``window_s`` seconds: arrival, prompt and answer tokens, class."""
+        if not 0 < window_s <= 7 * 86400:
+            return error_response(400, "window_s must be in (0, 604800] seconds", param="window_s")
+        return JSONResponse(router.flow.traffic.as_json(window_s))
 
     @app.get("/v1/roles")
     async def roles() -> dict:

@@ -138,6 +138,8 @@ class Router:
         """Admit a request and start it; raises Overloaded (429/503) when it cannot run now."""
         flow = self.flow
         images = images or []
+        service_class = class_of_key(params.priority)
+        flow.traffic.arrived(request_id, len(prompt_token_ids), params.max_tokens * params.n, service_class, arrived)
         try:
             rejection = admission.check_pending(len(flow.handles), self.config.max_pending)
             if rejection is not None:
@@ -146,9 +148,10 @@ class Router:
             if mode is None:
                 raise Overloaded(admission.no_workers())
         except Overloaded as e:
+            flow.traffic.finished(request_id, None)
             self.metrics.rejected.labels(e.rejection.reason).inc()
             raise
-        handle = RequestHandle(request_id, params.n, len(prompt_token_ids), service_class=class_of_key(params.priority))
+        handle = RequestHandle(request_id, params.n, len(prompt_token_ids), service_class=service_class)
         handle.timing.service_class = handle.service_class
         handle.timing.record(EventType.ARRIVED, arrived or time.time())
         handle.timing.num_images = len(images)

@@ -38,6 +38,7 @@ from epdserve.router.images import ImageInput
 from epdserve.router.metrics import RouterMetrics
 from epdserve.router.path import Mode, Path, Phase, RequestHandle, StreamEvent
 from epdserve.router.role_control import RoleController
+from epdserve.router.traffic import TrafficLog
 from epdserve.router.workers import PromptBlocks, WorkerInfo, WorkerRegistry
 from epdserve.sampling import SamplingParams
 
@@ -59,6 +60,7 @@ class RequestFlow:
         self.paths: dict[str, Path] = {}  # paths some worker, slab region or encode job still holds
         self.encode = EncodeStage(self, channel, registry, metrics, config.encode_pipelined)
         self.role_controller: RoleController | None = None  # --role-switching auto: fed the latencies below
+        self.traffic = TrafficLog()  # the arrival mix (GET /v1/traffic)
 
     # -- starting ------------------------------------------------------------------------
     def start_colocated(self, handle: RequestHandle, prompt: list[int], params: SamplingParams,
@@ -408,7 +410,8 @@ class RequestFlow:
             self.paths.pop(path.path_id, None)
 
     def drop_handle(self, handle: RequestHandle) -> None:
-        self.handles.pop(handle.request_id, None)
+        if self.handles.pop(handle.request_id, None) is not None:
+            self.traffic.finished(handle.request_id, handle.num_output_tokens if handle.has_first_token else None)
         if handle.first_token_timer is not None:
             handle.first_token_timer.cancel()
             handle.first_token_timer = None

@@ -15,7 +15,7 @@ from epdserve.router.protocol import error_response
 DEFAULT_MAX_REQUEST_BYTES = 64 << 20
 # Paths open without the API key; METRICS_PATHS are open too under --public-metrics.
 OPEN_PATHS = frozenset({"/health"})
-METRICS_PATHS = frozenset({"/metrics", "/v1/workers", "/v1/roles"})
+METRICS_PATHS = frozenset({"/metrics", "/v1/workers", "/v1/roles", "/v1/traffic"})
 
 
 class BodySizeLimit:

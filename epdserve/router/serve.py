@@ -81,7 +81,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every path but /health (default: $EPDSERVE_API_KEY, "
                         "which keeps the key out of process listings)")
-    g.add_argument("--public-metrics", action="store_true", help="serve /metrics, /v1/workers and /v1/roles without the API key")
+    g.add_argument("--public-metrics", action="store_true", help="serve /metrics, /v1/workers, /v1/roles and /v1/traffic without the API key")
     g.add_argument("--max-n", type=int, default=16, help="sequences one request may ask for (n)")
     g.add_argument("--max-request-bytes", type=int, default=64 << 20,
                    help="largest request body in bytes (then 413)")

@@ -18,9 +18,9 @@ from epdserve.router.workers import DEFAULT_ROUTING, ROUTING_POLICIES
 from epdserve.service import parse_class_mix, parse_class_slos
 
 
-def add_workload_args(p: argparse.ArgumentParser) -> None:
+def add_workload_args(p: argparse.ArgumentParser, is_required: bool = True) -> None:
     w = p.add_argument_group("workload")
-    w.add_argument("--workload", nargs="+", required=True, metavar="KIND",
+    w.add_argument("--workload", nargs="+", required=is_required, metavar="KIND",
                    help="'random', or 'trace FILE' (Mooncake JSONL or Azure CSV)")
     w.add_argument("--rate", type=float, default=None,
                    help="requests/s (random: Poisson arrivals; trace: rescales its timestamps to this mean rate)")

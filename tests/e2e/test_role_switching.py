@@ -6,12 +6,16 @@ loses none of them; under a scripted burst of long prompts the controller
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 import threading
 
 import httpx
 import pytest
 from serving import SMALL, start_server, stop_server
+from sim_profiles import profile_dict
 
 pytestmark = pytest.mark.slow
 
@@ -82,9 +86,34 @@ def test_switched_workers_serve_identically_and_free_the_old_role(tmp_path):
         assert r.status_code == 400 and r.json()["error"]["param"] == "role", r.text
         r = _switch(server.url, "prefill-0", "prefill")
         assert r.status_code == 409 and "already" in r.json()["error"]["message"], r.text
+        _plan_from_the_server(server, tmp_path)
     finally:
         stop_server(server)
     assert not _kv_segments() - before_start
+
+
+def _plan_from_the_server(server, tmp_path) -> None:
+    """GET /v1/traffic has every request above; ``epdserve plan --from-server`` plans for them
+    with the server's three workers and names the switches (a synthetic profile: the plan's
+    numbers are not the subject)."""
+    traffic = httpx.get(f"{server.url}/v1/traffic", params={"window_s": 3600}, timeout=10).json()
+    assert traffic["num_requests"] == 3 * len(PROMPTS)  # the three greedy rounds
+    assert traffic["columns"] == ["arrived_s", "prompt_tokens", "output_tokens", "service_class"]
+    assert all(row[2] == 24 and row[3] == "interactive" for row in traffic["requests"])
+    assert httpx.get(f"{server.url}/v1/traffic", params={"window_s": -1}, timeout=10).status_code == 400
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps(profile_dict()))
+    out = tmp_path / "plan.json"
+    done = subprocess.run([sys.executable, "-m", "epdserve.cli", "plan", "--profile", str(profile),
+                           "--from-server", server.url, "--slo", "ttft_p90:2000,tpot_p90:200",
+                           "--time-budget-s", "20", "--workers", "1", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert f"server {server.url}: decode=1, prefill=2; {traffic['num_requests']} requests" in done.stdout
+    plan = json.loads(out.read_text())
+    assert plan["instances"] == 3 and plan["from_server"]["workers"] == {"prefill": 2, "decode": 1}
+    for switch in plan["from_server"]["switches"]:
+        assert f"/v1/workers/{switch['worker']}/role" in done.stdout
 
 
 def test_switch_requested_while_requests_are_in_flight_loses_none(tmp_path):

@@ -327,3 +327,31 @@ def test_bench_serve_command_end_to_end(server, tmp_path, capsys):
         "timeline.png",
         "ttft_cdf.png",
     ]
+
+
+def test_attainment_per_service_class_uses_the_class_slos():
+    from epdserve.bench.metrics import class_attainment
+    from epdserve.service import ClassSLO
+
+    outputs = [
+        _out(0.05, (0.01,) * 4, 5),  # realtime, fast: met
+        _out(0.50, (0.01,) * 4, 5),  # realtime, TTFT 500 ms > 100: missed
+        _out(0.05, (0.2,) * 4, 5),  # interactive, TPOT 200 ms > 100: missed
+        _out(0.05, (0.01,) * 4, 5, success=False, error="HTTP 429: slo_unreachable"),  # interactive, refused
+        _out(9.0, (1.0,), 2),  # batch: no SLO
+    ]
+    classes = ["realtime", "realtime", "interactive", "interactive", "batch"]
+    slos = {"realtime": ClassSLO(0.1, None), "interactive": ClassSLO(1.0, 0.1)}
+    per_class = class_attainment(outputs, classes, slos)
+    assert per_class["realtime"] == {"num_requests": 2, "num_refused": 0, "num_completed": 2, "num_slo_met": 1,
+                                     "attainment_of_completed": 0.5, "attainment": 0.5}
+    assert per_class["interactive"]["num_refused"] == 1 and per_class["interactive"]["num_slo_met"] == 0
+    assert per_class["batch"]["num_slo_met"] is None and per_class["batch"]["attainment"] is None
+    result = build_result(RunInfo("openai", "m", "t", 5, 1.0, 1.0, None), outputs, 10.0,
+                          compute_metrics(outputs, 10.0, (50.0,)), service_classes=per_class,
+                          request_classes=classes)
+    assert result["request_service_classes"] == classes
+    assert "realtime:" in format_table(result)
+    body = request_body(ClientConfig("http://x/v1/completions", "m", False),
+                        SampleRequest("hi", 1, 4, service_tier="flex"))
+    assert body["service_tier"] == "flex"

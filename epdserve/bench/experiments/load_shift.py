@@ -31,8 +31,8 @@ as the interactive class's). Goal: predictive keeps the SLO attainment of the re
 admits >= 90 % where the queue bound's falls below 50 %.
 
 The simulator runs the same trace through the same controller (``sim/roles.py``) with this
-host's profile taken under the same quota, so the switches it makes can be set beside the
-real ones.
+host's profile taken under the same quota and calibrated (``epdserve calibrate``) with the step
+traces of the prefill=2,decode=2 arm, so the switches it makes can be set beside the real ones.
 """
 
 from __future__ import annotations
@@ -101,9 +101,9 @@ class Scale:
 
 
 FULL = Scale(
-    phases=(Phase("A1", "prefill-heavy", 150.0, 2.4), Phase("B", "decode-heavy", 120.0, 4.0),
-            Phase("A2", "prefill-heavy", 150.0, 2.4)),
-    overload=Phase("overload", "prefill-heavy", 90.0, 4.8),
+    phases=(Phase("A1", "prefill-heavy", 150.0, 2.0), Phase("B", "decode-heavy", 120.0, 3.6),
+            Phase("A2", "prefill-heavy", 150.0, 2.0)),
+    overload=Phase("overload", "prefill-heavy", 90.0, 4.0),
     input_scale=0.25, output_scales=(0.5, 1.0), max_input_len=1536, max_output_len=320,
     slo_ttft_ms=3000.0, slo_tpot_ms=250.0, cpu_share=0.5, max_model_len=2048,
     dwell_s=20.0, cooldown_s=5.0, window_s=10.0, profile=True)
@@ -118,6 +118,7 @@ SPLITS = ("prefill=3,decode=1", "prefill=2,decode=2", "prefill=1,decode=3")
 SWITCHING = "role switching"
 COLOCATED = "colocated=4"
 ARMS = (*SPLITS, SWITCHING, COLOCATED)
+CALIBRATION_ARM = SPLITS[1]  # its step traces calibrate the simulator's profile (both roles, busy)
 
 
 # ---------------------------------------------------------------- the trace
@@ -193,7 +194,8 @@ def trace_stats(records: list[TraceRecord], phases: tuple[Phase, ...]) -> dict:
 # ---------------------------------------------------------------- one arm
 
 
-def serve_flags(arm: str, scale: Scale, admission: str = "queue", split: str | None = None) -> list[str]:
+def serve_flags(arm: str, scale: Scale, admission: str = "queue", split: str | None = None,
+                step_trace_dir: Path | None = None) -> list[str]:
     topology = split or (SPLITS[1] if arm == SWITCHING else arm)
     counts = dict(part.split("=") for part in topology.split(","))
     flags = ["--cores-per-worker", "1", "--max-model-len", str(scale.max_model_len)]
@@ -203,6 +205,8 @@ def serve_flags(arm: str, scale: Scale, admission: str = "queue", split: str | N
         flags += ["--prefill-workers", counts["prefill"], "--decode-workers", counts["decode"]]
     slo = f"ttft:{scale.slo_ttft_ms:g},tpot:{scale.slo_tpot_ms:g}"
     flags += ["--service-class-slo", f"interactive={slo}", "--admission", admission]
+    if step_trace_dir is not None:
+        flags += ["--step-trace-dir", str(step_trace_dir)]
     if arm == SWITCHING:
         flags += ["--role-switching", "auto", "--role-switching-dwell", f"{scale.dwell_s:g}",
                   "--role-switching-cooldown", f"{scale.cooldown_s:g}",
@@ -250,9 +254,9 @@ class RoleWatch:
 
 
 def run_arm(arm: str, trace: Path, scale: Scale, out_dir: Path, commands: list[str], tag: str,
-            admission: str = "queue", split: str | None = None) -> dict:
+            admission: str = "queue", split: str | None = None, step_trace_dir: Path | None = None) -> dict:
     """A fresh server with four quota-limited workers; the trace replayed once."""
-    server = start_server(serve_flags(arm, scale, admission, split), out_dir / "logs" / tag)
+    server = start_server(serve_flags(arm, scale, admission, split, step_trace_dir), out_dir / "logs" / tag)
     commands.append(server.command)
     quotas = cpu_quota.CpuQuotas(scale.cpu_share)
     result_path = out_dir / "runs" / f"{tag}.json"
@@ -324,6 +328,14 @@ def take_profile(scale: Scale, out_dir: Path, commands: list[str]) -> Path:
     return path
 
 
+def calibrate(profile: Path, step_trace_dir: Path, out_dir: Path, commands: list[str]) -> Path:
+    """The profile scaled to the steps the calibration arm's workers took in service."""
+    path = out_dir / "profile_calibrated.json"
+    run_command(epdserve_cmd("calibrate", "--profile", str(profile), "--step-trace-dir", str(step_trace_dir),
+                             "--out", str(path)), commands)
+    return path
+
+
 # ---------------------------------------------------------------- the experiment
 
 
@@ -347,8 +359,9 @@ def run(out_dir: Path, quick: bool) -> str:
     arms = {}
     for arm in ARMS:
         print(f"load-shift: {arm}", flush=True)
-        arms[arm] = run_arm(arm, trace_path, scale, out_dir, commands, arm.replace("=", "").replace(",", "_")
-                            .replace(" ", "_"))
+        tag = arm.replace("=", "").replace(",", "_").replace(" ", "_")
+        steps = out_dir / "steps" / tag if arm == CALIBRATION_ARM and scale.profile else None
+        arms[arm] = run_arm(arm, trace_path, scale, out_dir, commands, tag, step_trace_dir=steps)
     phase_names = phase_of(trace, scale.phases)
     summary = goals(arms, phase_names, scale)
     overload_split = summary["best_split_by_phase"].get(scale.phases[0].name, SPLITS[0])
@@ -357,7 +370,8 @@ def run(out_dir: Path, quick: bool) -> str:
                  for policy in ("queue", "predictive")}
     sim = {}
     if scale.profile:
-        profile = take_profile(scale, out_dir, commands)
+        profile = calibrate(take_profile(scale, out_dir, commands), out_dir / "steps" / CALIBRATION_ARM.replace(
+            "=", "").replace(",", "_"), out_dir, commands)
         for arm in (*SPLITS, SWITCHING):
             sim[arm] = simulate(trace_path, profile, scale, arm, out_dir / "runs" / f"sim_{arm.replace('=', '')}.json",
                                 commands)

@@ -188,8 +188,9 @@ def build_report(results: dict, experiment: ExperimentRun, plots: list[str]) -> 
     sim = results.get("simulated") or {}
     if sim:
         lines += ["## The simulator on the same trace", "",
-                  "The same trace through `epdserve simulate` with this host's profile taken under the same quota "
-                  "(the controller of `--role-switching auto` for the switching arm).", ""]
+                  "The same trace through `epdserve simulate` with this host's profile taken under the same "
+                  "quota and calibrated with the prefill=2,decode=2 arm's step traces (the controller of "
+                  "`--role-switching auto` for the switching arm).", ""]
         lines += [markdown_table(["arm", "whole trace goodput (simulated)", "measured", "switches (simulated)"],
                                  [[arm, arm_sim["goodput"], g["summaries"].get(arm, {}).get("all", {}).get("goodput"),
                                    ", ".join(f"{s['began_s']:.0f} s {s['worker']} {s['from_role']}->{s['to_role']}"
