@@ -207,8 +207,7 @@ class Router:
         controller = self.role_controller
         while True:
             await asyncio.sleep(controller.config.interval_s)
-            switch = controller.decide(time.monotonic(), list(self.registry.workers.values()))
-            if switch is not None:
+            for switch in controller.decide(time.monotonic(), list(self.registry.workers.values())):
                 self._begin_switch(switch)
 
     def _begin_switch(self, switch: Switch) -> None:

@@ -6,24 +6,26 @@ as a pressure (1.0: at the SLO), from the latencies of the last ``window_s`` and
     prefill pressure = max(TTFT P90 / TTFT SLO, prompt work queued per prefill worker / TTFT SLO)
     decode pressure  = max(ITL P90 / TPOT SLO, share of the decode workers' KV blocks in use / KV_FULL)
 
-It moves one worker from the side with slack to the side under pressure when
+It moves workers from the side with slack to the side under pressure when
 
     the needy side's pressure > high                         (it is about to miss its SLO)
     and the donor side's pressure with n - 1 workers < low   (it keeps its slack; low < high)
 
-has held for ``num_confirm`` decisions in a row. The pressure a side would have with one worker
+has held for ``num_confirm`` decisions in a row: as many as bring the needy side's projected
+pressure down to ``high``, no more than keep the donor's under ``low`` (one on a small
+cluster; several at once on a large one, where one at a time would take too long). The pressure a side would have with one worker
 fewer is projected from what it has now: the load-driven part of each latency grows by
 n / (n - 1) (the same work on fewer workers), its fixed part does not::
 
     latency with n - 1 workers = base + (P90 - base) x n / (n - 1)
 
-where ``base`` is the window's 10th percentile (a step's cost with little load: a CPU decode
-step costs 70 ms idle, and scaling that too would keep a decode worker from ever moving);
-queued work and KV in use scale whole. Hysteresis keeps it from flapping: the band between
+where ``base`` is the lowest 10th percentile any window has shown (a step's cost with little
+load: a CPU decode step costs 70 ms idle, and scaling that too would keep a decode worker from
+ever moving); queued work and KV in use scale whole. Hysteresis keeps it from flapping: the band between
 ``low`` and ``high`` (the switch cannot make the donor side need the worker back), a minimum
-time in a role per worker (``min_dwell_s``), one switch at a time and a ``cooldown_s`` after
-each. The donor is its side's ready worker with the fewest requests in hand (the quickest to
-drain) among those past their dwell.
+time in a role per worker (``min_dwell_s``), one round of switches at a time and a
+``cooldown_s`` after each. The donors are their side's ready workers with the fewest requests in
+hand (the quickest to drain) among those past their dwell.
 
 Plain Python over ``WorkerInfo``: the router (core.py) and the simulator (sim/roles.py) run
 this same controller, the router on measured latencies, the simulator on simulated ones.
@@ -110,7 +112,7 @@ class Pressure:
     itl_p90_s: float | None
     queued_prefill_s: float  # prompt work queued per ready prefill worker
     kv_usage: float  # share of the decode workers' KV blocks in use
-    ttft_base_s: float | None = None  # the window's 10th percentiles: the latencies' fixed part
+    ttft_base_s: float | None = None  # the lowest 10th percentiles seen: the latencies' fixed part
     itl_base_s: float | None = None
     num_prefill: int = 0  # ready workers per side
     num_decode: int = 0
@@ -121,12 +123,31 @@ class Pressure:
                 "kv_usage": round(self.kv_usage, 3)}
 
 
+def _lowest(floor: float | None, value: float | None) -> float | None:
+    if value is None:
+        return floor
+    return value if floor is None else min(floor, value)
+
+
 def _grown(p90: float | None, base: float | None, factor: float) -> float:
     """A latency's P90 with its load-driven part (above ``base``) grown by ``factor``."""
     if p90 is None:
         return 0.0
     base = min(base if base is not None else 0.0, p90)
     return base + (p90 - base) * factor
+
+
+def _num_to_move(num_needy: int, num_donor: int, needy_with, donor_with, config: RoleControlConfig) -> int:  # noqa: ANN001
+    """Workers to move from the donor side to the needy one: the fewest that bring the needy
+    side's projected pressure to ``high`` (one when the projection sees no gain from more),
+    never more than keep the donor side's under ``low`` (0: the donor cannot spare one)."""
+    num = 0
+    while num + 1 < num_donor and donor_with(num_donor - num - 1) < config.low:
+        num += 1
+        after = needy_with(num_needy + num)
+        if after <= config.high or after >= needy_with(num_needy + num - 1):
+            break
+    return num
 
 
 def prefill_pressure_with(p: Pressure, config: RoleControlConfig, num_workers: int) -> float:
@@ -143,7 +164,7 @@ def decode_pressure_with(p: Pressure, config: RoleControlConfig, num_workers: in
 
 @dataclass(frozen=True)
 class Switch:
-    """One decision: move ``worker_id`` to ``to_role``."""
+    """One worker of a decision: move ``worker_id`` to ``to_role``."""
 
     worker_id: str
     from_role: str
@@ -158,6 +179,10 @@ class RoleController:
         self.itl = LatencyWindow(config.window_s)
         self.last_switch_end = -math.inf  # when the last switch's worker took its new role
         self.last_pressure: Pressure | None = None
+        # The lowest 10th percentile each window has shown: a latency's fixed part (a step's
+        # cost with little load), which the projection does not scale.
+        self.ttft_floor_s: float | None = None
+        self.itl_floor_s: float | None = None
         self._want: tuple[str, str] | None = None  # (from role, to role) the last decisions agreed on
         self._num_agreeing = 0
 
@@ -190,36 +215,43 @@ class RoleController:
         queued_s /= max(num_prefill, 1)
         kv_usage = used / total if total else 0.0
         n = cfg.min_samples
-        ttft, ttft_base = self.ttft.percentile(now, 0.9, n), self.ttft.percentile(now, 0.1, n)
-        itl, itl_base = self.itl.percentile(now, 0.9, n), self.itl.percentile(now, 0.1, n)
+        ttft, itl = self.ttft.percentile(now, 0.9, n), self.itl.percentile(now, 0.9, n)
+        ttft_base = self.ttft_floor_s = _lowest(self.ttft_floor_s, self.ttft.percentile(now, 0.1, n))
+        itl_base = self.itl_floor_s = _lowest(self.itl_floor_s, self.itl.percentile(now, 0.1, n))
         prefill = max(ttft if ttft is not None else 0.0, queued_s) / cfg.ttft_slo_s
         decode = max((itl if itl is not None else 0.0) / cfg.tpot_slo_s, kv_usage / KV_FULL)
         return Pressure(prefill, decode, ttft, itl, queued_s, kv_usage, ttft_base, itl_base, num_prefill, num_decode)
 
-    def decide(self, now: float, workers: list[WorkerInfo]) -> Switch | None:
-        """The switch to begin now, if any (call every ``interval_s``)."""
+    def decide(self, now: float, workers: list[WorkerInfo]) -> list[Switch]:
+        """The switches to begin now (none, or k workers of one side to the other; call every
+        ``interval_s``): as many as bring the needy side's projected pressure to ``high``, at
+        most as many as leave the donor side's under ``low``."""
         cfg = self.config
         p = self.last_pressure = self.pressure(now, workers)
         if any(w.state in (WorkerState.DRAINING, WorkerState.SWITCHING) for w in workers):
-            return self._agree(None)  # one switch at a time
+            self._agree(None)  # one round of switches at a time
+            return []
         if now - self.last_switch_end < cfg.cooldown_s:
-            return self._agree(None)
-        want = None
-        if (p.prefill > cfg.high and p.num_decode > 1
-                and decode_pressure_with(p, cfg, p.num_decode - 1) < cfg.low):
-            want = (Role.DECODE, Role.PREFILL)
-        elif (p.decode > cfg.high and p.num_prefill > 1
-              and prefill_pressure_with(p, cfg, p.num_prefill - 1) < cfg.low):
-            want = (Role.PREFILL, Role.DECODE)
+            self._agree(None)
+            return []
+        want, num = None, 0
+        if p.prefill > cfg.high:
+            num = _num_to_move(p.num_prefill, p.num_decode, lambda n: prefill_pressure_with(p, cfg, n),
+                               lambda n: decode_pressure_with(p, cfg, n), cfg)
+            want = (Role.DECODE, Role.PREFILL) if num else None
+        if want is None and p.decode > cfg.high:
+            num = _num_to_move(p.num_decode, p.num_prefill, lambda n: decode_pressure_with(p, cfg, n),
+                               lambda n: prefill_pressure_with(p, cfg, n), cfg)
+            want = (Role.PREFILL, Role.DECODE) if num else None
         if self._agree(want) is None or self._num_agreeing < cfg.num_confirm:
-            return None
-        donors = [w for w in workers if w.state is WorkerState.READY and w.role == want[0]
-                  and now - w.role_since >= cfg.min_dwell_s]
+            return []
+        donors = sorted((w for w in workers if w.state is WorkerState.READY and w.role == want[0]
+                         and now - w.role_since >= cfg.min_dwell_s),
+                        key=lambda w: (len(w.request_ids), w.num_prefill_tokens, w.worker_id))
         if not donors:
-            return None
-        donor = min(donors, key=lambda w: (len(w.request_ids), w.num_prefill_tokens, w.worker_id))
+            return []
         self._want, self._num_agreeing = None, 0
-        return Switch(donor.worker_id, want[0], want[1], p)
+        return [Switch(w.worker_id, want[0], want[1], p) for w in donors[:num]]
 
     def _agree(self, want: tuple[str, str] | None) -> tuple[str, str] | None:
         if want is None or want != self._want:

@@ -55,8 +55,7 @@ class SimRoleSwitching:
             return
         self.next_decision = now + self.controller.config.interval_s
         workers = [inst.worker for inst in self.instances if inst.role != Role.ENCODE]
-        switch = self.controller.decide(now, workers)
-        if switch is not None:
+        for switch in self.controller.decide(now, workers):
             self._begin(now, switch)
 
     def _begin(self, now: float, switch: Switch) -> None:
