@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from collections.abc import Callable, Sequence
 
 from epdserve.cli_args import add_engine_args, engine_args_from
+from epdserve.envs import get_log_level
 from epdserve.errors import EpdserveError
 
 EXIT_USAGE = 2
@@ -142,6 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    logging.basicConfig(level=get_log_level(), format="%(asctime)s %(process)d %(name)s %(levelname)s %(message)s")
     parser = build_parser()
     ns = parser.parse_args(argv)
     func: Callable[[argparse.Namespace], int] = ns.func

@@ -95,3 +95,14 @@ def get_traces_dir() -> Path:
     if configured:
         return Path(configured).expanduser()
     return Path(__file__).resolve().parents[2] / "shared" / "data" / "traces"
+
+
+EPDSERVE_LOG_LEVEL = "EPDSERVE_LOG_LEVEL"
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
+def get_log_level() -> str:
+    """The level every epdserve process logs at (``EPDSERVE_LOG_LEVEL``; default WARNING, an
+    unknown value too): INFO shows the router's decisions (switches of role, hand-overs)."""
+    level = os.environ.get(EPDSERVE_LOG_LEVEL, "WARNING").upper()
+    return level if level in LOG_LEVELS else "WARNING"

@@ -231,6 +231,25 @@ class TransferDone(Msg):
     transport: str = ""  # how the KV went: "shm" (same node) or "tcp"
 
 
+class Paused(Msg):
+    """Decode worker -> router, answering ``Pause``: the request stopped between steps with its
+    KV kept for a hand-over (``output_token_ids``: every token it generated, the last one's KV
+    not computed yet), or it could not be (``ok`` False: it goes on here)."""
+
+    request_id: str
+    ok: bool
+    output_token_ids: list[int] = []
+    reason: str = ""
+
+
+class Retargeted(Msg):
+    """Prefill worker -> router, answering ``Retarget``: the prompt's KV now goes to the new
+    decode worker's blocks (``ok``), or some of it may already have gone to the old one."""
+
+    request_id: str
+    ok: bool
+
+
 class RequestFailed(Msg):
     request_id: str
     message: str
@@ -335,6 +354,36 @@ class Abort(Msg):
     request_id: str
 
 
+class Pause(Msg):
+    """Router -> a draining decode worker: stop the running request between steps and keep its
+    KV, to hand it over to another decode worker (``Paused`` answers)."""
+
+    request_id: str
+
+
+class Retarget(Msg):
+    """Router -> a prefill worker: a queued prompt's KV goes to ``target``'s reserved blocks
+    instead of its decode worker's (which is leaving its role); ``Retargeted`` answers."""
+
+    request_id: str
+    target: str
+    target_block_ids: list[list[int]]
+    target_generation: int
+    target_num_cached: int = 0
+
+
+class HandOver(Msg):
+    """Router -> the decode worker a paused request is on: copy its KV into ``target``'s
+    reserved blocks (as a prefill worker pushes a prompt's; ``TransferDone`` reports the end),
+    skipping the ``target_num_cached`` leading positions the target holds."""
+
+    request_id: str
+    target: str
+    target_block_ids: list[list[int]]
+    target_generation: int
+    target_num_cached: int = 0
+
+
 class PeerUp(Msg):
     worker_id: str
     endpoint: KVEndpoint
@@ -367,7 +416,7 @@ class SwitchRole(Msg):
 Message = Union[
     Register, Heartbeat, Outputs, Reserved, TransferDone, RequestFailed, EncodeDone, EmbeddingLanded,
     Submit, Reserve, StartDecode, Abort, PeerUp, PeerDown, Shutdown, EncodeImage, EmbeddingReady, SlabUp,
-    ReservationExpired, Reconcile, KVEvents, SwitchRole,
+    ReservationExpired, Reconcile, KVEvents, SwitchRole, Pause, Paused, HandOver, Retarget, Retargeted,
 ]
 
 _encoder = msgspec.msgpack.Encoder()

@@ -25,6 +25,7 @@ from epdserve.cluster.worker_llm import LLMWorker, WorkerOptions
 from epdserve.config import EngineArgs, resolve_device_name
 from epdserve.engine.block_pool import HASH_BYTES
 from epdserve.engine.engine import KVCacheAllocator
+from epdserve.errors import InvalidRequestError
 from epdserve.models.loader import LoadedModel
 from epdserve.roles import Role
 from epdserve.transfer.fence import ReservationFence
@@ -51,6 +52,7 @@ class DecodeWorker(LLMWorker):
         self._landed_lock = threading.Lock()
         self._refused: list[tuple[str, str]] = []  # (request id, why): frames the receiver refused
         self._pending_decode: dict[str, m.StartDecode] = {}
+        self._handovers: set[str] = set()  # paused for a hand-over, until its TransferDone
         self._image_reservations: set[str] = set()  # reservations of prompts with images
         # Open reservations, request id -> (fence generation, monotonic time reserved).
         self._reservations: dict[str, tuple[int, float]] = {}
@@ -102,7 +104,45 @@ class DecodeWorker(LLMWorker):
 
     # -- messages ------------------------------------------------------------------------
     def _handlers(self) -> dict[type, Handler]:
-        return {**super()._handlers(), m.Reserve: self._on_reserve, m.StartDecode: self._on_start_decode}
+        return {**super()._handlers(), m.Reserve: self._on_reserve, m.StartDecode: self._on_start_decode,
+                m.Pause: self._on_pause, m.HandOver: self._on_hand_over, m.PeerUp: self._on_peer_up,
+                m.PeerDown: self._on_peer_down}
+
+    # -- handing requests over to another decode worker (a switch of role) ----------------
+    def _on_peer_up(self, msg: m.PeerUp) -> None:
+        """Another decode worker this one may hand requests over to (sent while it drains)."""
+        try:
+            self.engine.add_handover_peer(msg.worker_id, msg.endpoint, self.key)
+        except (OSError, ValueError) as e:
+            log.warning("cannot reach decode worker %s: %s", msg.worker_id, e)
+
+    def _on_peer_down(self, msg: m.PeerDown) -> None:
+        pusher = self.engine.handover_pusher
+        if pusher is not None:
+            for request_id in pusher.remove_peer(msg.worker_id):
+                self._handovers.discard(request_id)
+                self.engine.scheduler.release_transfer(request_id)
+                self._send(m.TransferDone(request_id, False, reason="the target decode worker left"))
+
+    def _on_pause(self, msg: m.Pause) -> None:
+        tokens = self.engine.pause_for_handover(msg.request_id)
+        if tokens is None:
+            self._send(m.Paused(msg.request_id, False, reason="not running whole here, or constrained"))
+            return
+        self._handovers.add(msg.request_id)
+        self._send(m.Paused(msg.request_id, True, tokens))
+
+    def _on_hand_over(self, msg: m.HandOver) -> None:
+        if msg.request_id not in self._handovers:
+            self._send(m.TransferDone(msg.request_id, False, reason="not paused for a hand-over here"))
+            return
+        try:
+            self.engine.push_handover(msg.request_id, msg.target, msg.target_block_ids, msg.target_generation,
+                                      msg.target_num_cached)
+        except InvalidRequestError as e:
+            self._handovers.discard(msg.request_id)
+            self.engine.scheduler.release_transfer(msg.request_id)
+            self._send(m.TransferDone(msg.request_id, False, reason=str(e)))
 
     def _on_reserve(self, msg: m.Reserve) -> None:
         block_size = self.engine.kv_cache.block_size
@@ -132,10 +172,16 @@ class DecodeWorker(LLMWorker):
     def _drop(self, request_id: str) -> None:
         self._pending_decode.pop(request_id, None)
         self._end_reservation(request_id)
+        if request_id in self._handovers:
+            self._handovers.discard(request_id)
+            pusher = self.engine.handover_pusher
+            if pusher is not None:
+                pusher.abort(request_id)
         super()._drop(request_id)
 
     def _held_request_ids(self) -> set[str]:
-        return super()._held_request_ids() | set(self._reservations) | set(self._pending_decode)
+        return (super()._held_request_ids() | set(self._reservations) | set(self._pending_decode)
+                | self._handovers)
 
     def _end_reservation(self, request_id: str) -> None:
         """The reservation's KV may no longer be written (landed, aborted or expired); call
@@ -174,9 +220,16 @@ class DecodeWorker(LLMWorker):
                                      cache_new_blocks=not has_images)
 
     def _after_step(self) -> None:
-        """A reservation whose KV did not land within the lease: its blocks go back to the pool
-        (after the fence refuses its writes) and the router hears of it."""
+        """Hand-overs that ended; a reservation whose KV did not land within the lease: its
+        blocks go back to the pool (after the fence refuses its writes) and the router hears
+        of it."""
         super()._after_step()
+        if self._handovers:
+            for stats in self.engine.poll_handovers():
+                self._handovers.discard(stats.request_id)
+                self._send(m.TransferDone(
+                    stats.request_id, stats.ok, stats.kv_bytes, stats.kv_bytes_skipped, stats.start, stats.end,
+                    stats.exposed_s, stats.blocking_s, "" if stats.ok else "KV hand-over failed", stats.transport))
         if not self._reservations:
             return
         deadline = time.monotonic() - self.opts.reservation_lease_s
@@ -187,6 +240,9 @@ class DecodeWorker(LLMWorker):
                 self.engine.release_reservation(request_id)
                 log.warning("reservation of %s expired after %g s", request_id, self.opts.reservation_lease_s)
                 self._send(m.ReservationExpired(request_id))
+
+    def _idle_timeout_ms(self) -> int:
+        return 5 if self._handovers else super()._idle_timeout_ms()  # poll the hand-overs
 
     def _release(self) -> None:
         if self.receiver is not None:

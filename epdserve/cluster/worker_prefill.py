@@ -41,7 +41,13 @@ class PrefillWorker(LLMWorker):
     # -- messages ------------------------------------------------------------------------
     def _handlers(self) -> dict[type, Handler]:
         return {**super()._handlers(), m.PeerUp: self._on_peer_up,
-                m.PeerDown: lambda msg: self.pusher.remove_peer(msg.worker_id)}
+                m.PeerDown: lambda msg: self.pusher.remove_peer(msg.worker_id), m.Retarget: self._on_retarget}
+
+    def _on_retarget(self, msg: m.Retarget) -> None:
+        ok = (msg.request_id in self._prefill_ids and msg.target in self.pusher.links
+              and self.engine.retarget_prefill(msg.request_id, msg.target, msg.target_block_ids,
+                                               msg.target_generation, msg.target_num_cached))
+        self._send(m.Retargeted(msg.request_id, ok))
 
     def _on_peer_up(self, msg: m.PeerUp) -> None:
         try:

@@ -45,6 +45,7 @@ from epdserve.faults import FaultKind, FaultPlan
 from epdserve.models.loader import LoadedModel, load_model
 from epdserve.request import EventType, MMInput, Request, RequestStatus
 from epdserve.sampling import SamplingParams
+from epdserve.transfer.connector import KVPusher
 from epdserve.validate import RequestLimits, check_prompt_ids
 
 KVCacheAllocator = Callable[[list[tuple[int, ...]], torch.dtype], list[torch.Tensor]]
@@ -94,6 +95,7 @@ class LLMEngine(PDRoles):
         self.bytes_per_block = bytes_per_block  # KV of one block, every layer and group
         self.kv_offload: KVOffload | None = None
         self.kv_puller = None  # P/D prefill: kv_pull.PeerPuller, set with the KV pusher
+        self.handover_pusher: KVPusher | None = None  # P/D decode: hands running requests over (a switch)
         if args.kv_tiers.enabled:
             self.kv_offload = self._open_kv_store(args)
         self._sequences: dict[str, _Sequence] = {}
@@ -123,10 +125,14 @@ class LLMEngine(PDRoles):
             self.kv_offload.poll()
 
     def close(self) -> None:
-        """Stop the KV store's writer (pending writes are dropped); the engine runs no step after."""
+        """Stop the KV store's writer (pending writes are dropped) and the hand-over links; the
+        engine runs no step after."""
         if self.kv_offload is not None:
             self.kv_offload.close()
             self.kv_offload = None
+        if self.handover_pusher is not None:
+            self.handover_pusher.close()
+            self.handover_pusher = None
 
     @property
     def max_model_len(self) -> int:

@@ -13,9 +13,10 @@ from typing import TYPE_CHECKING
 from epdserve.engine.kv_pull import PeerPuller
 from epdserve.engine.outputs import check_mm_inputs
 from epdserve.errors import InvalidRequestError
-from epdserve.request import EventType, MMInput, Request
+from epdserve.request import EventType, MMInput, Request, RequestStatus
 from epdserve.sampling import SamplingParams
-from epdserve.transfer.connector import KVPusher, TransferStats
+from epdserve.transfer.connector import KVPusher, PushItem, TransferStats
+from epdserve.transfer.descriptors import KVEndpoint
 
 if TYPE_CHECKING:
     from epdserve.engine.detokenizer import IncrementalDetokenizer
@@ -38,6 +39,7 @@ class PDRoles:
     bytes_per_block: int
     prefill_rate: PrefillRate
     kv_puller: PeerPuller | None
+    handover_pusher: KVPusher | None
 
     if TYPE_CHECKING:
         def _add_sequence(self, parent_id: str, request_id: str, index: int, prompt_token_ids: list[int],
@@ -83,6 +85,28 @@ class PDRoles:
         request.kv_target_block_ids = kv_target_block_ids
         request.kv_target_generation = kv_target_generation
         request.kv_target_num_cached = kv_target_num_cached
+
+    def retarget_prefill(self, request_id: str, kv_target: str, kv_target_block_ids: list[list[int]],
+                         kv_target_generation: int, kv_target_num_cached: int = 0) -> bool:
+        """Prefill worker: send a queued prompt's KV to another decode worker's blocks instead
+        (its decode worker is leaving its role); False once any of it may have been computed or
+        pushed (then it goes where it was going)."""
+        seq = self._sequences.get(request_id)
+        pusher = self.runner.pusher
+        if seq is None or seq.request.status is not RequestStatus.WAITING or seq.request.num_computed_tokens:
+            return False
+        if pusher is not None and pusher.is_pushing(request_id):
+            return False
+        block_size = self.scheduler.kv_cache.block_size
+        request = seq.request
+        if not (0 <= kv_target_num_cached < max(1, request.num_prompt_tokens) and kv_target_num_cached % block_size == 0):
+            raise InvalidRequestError(f"kv_target_num_cached must be a multiple of {block_size} below the prompt's "
+                                      f"{request.num_prompt_tokens} tokens, got {kv_target_num_cached}")
+        request.kv_target = kv_target
+        request.kv_target_block_ids = kv_target_block_ids
+        request.kv_target_generation = kv_target_generation
+        request.kv_target_num_cached = kv_target_num_cached
+        return True
 
     def reserve(
         self, request_id: str, num_prompt_tokens: int, block_hashes: list[bytes] | None = None
@@ -142,6 +166,56 @@ class PDRoles:
     @property
     def kv_pusher(self) -> KVPusher | None:
         return self.runner.pusher
+
+    # -- handing a running request over to another decode worker (a switch of role) ------
+    def pause_for_handover(self, request_id: str) -> list[int] | None:
+        """Decode worker: stop generating a running request and keep its KV for
+        ``push_handover``; its output tokens so far, or None when it cannot be handed over
+        (not running whole, several sequences, or a grammar whose state would not follow)."""
+        seq = self._sequences.get(request_id)
+        if (seq is None or seq.parent_id != request_id or len(self._children.get(request_id, ())) != 1
+                or seq.request.sampling.grammar is not None):
+            return None
+        request = self.scheduler.hold_for_handover(request_id)
+        if request is None:
+            return None
+        self._sequences.pop(request_id, None)
+        self._children.pop(request_id, None)
+        self.runner.release(request_id)
+        return list(request.output_token_ids)
+
+    def add_handover_peer(self, worker_id: str, endpoint: KVEndpoint, key: bytes) -> None:
+        """Decode worker: open the link that hands requests over to decode worker ``worker_id``."""
+        if self.handover_pusher is None:
+            self.handover_pusher = KVPusher(list(self.runner.kv_caches), self.runner.layer_to_group,
+                                            self.scheduler.kv_cache.block_size, layerwise=False)
+        self.handover_pusher.add_peer(worker_id, endpoint, key)
+
+    def push_handover(self, request_id: str, target: str, dst_tables: list[list[int]], generation: int,
+                      num_cached: int = 0) -> None:
+        """Decode worker: copy a paused request's KV (every computed position, less the
+        ``num_cached`` leading ones the target holds) into ``target``'s reserved blocks;
+        ``poll_handovers`` reports the end."""
+        request = self.scheduler.transferring.get(request_id)
+        if request is None:
+            raise InvalidRequestError(f"{request_id} is not paused for a hand-over here")
+        pusher = self.handover_pusher
+        if pusher is None or target not in pusher.links:
+            raise InvalidRequestError(f"no link to decode worker {target}")
+        num_tokens = request.num_computed_tokens
+        src_tables = self.scheduler.kv_cache.block_tables(request_id)
+        pusher.begin_step([PushItem(request_id, target, num_cached, num_tokens, [list(t) for t in src_tables],
+                                    dst_tables, True, generation, num_cached)])
+        pusher.end_step()
+
+    def poll_handovers(self) -> list[TransferStats]:
+        """Decode worker: hand-overs that ended; the paused request's blocks are freed here."""
+        if self.handover_pusher is None:
+            return []
+        finished = self.handover_pusher.poll()
+        for stats in finished:
+            self.scheduler.release_transfer(stats.request_id)
+        return finished
 
     def poll_transfers(self) -> list[TransferStats]:
         """Prefill worker: KV transfers that ended; their held blocks are freed here. A

@@ -207,6 +207,20 @@ class Scheduler:
             self.release_transfer(request_id)
         return request
 
+    def hold_for_handover(self, request_id: str) -> Request | None:
+        """Stop a running request between steps, keeping its blocks (``transferring``) so its
+        KV can be copied to another worker; None unless it is running with every token but the
+        last sampled one computed (a request being prefilled or preempted has no whole KV)."""
+        request = self.requests.get(request_id)
+        if (request is None or request.status is not RequestStatus.RUNNING or not request.output_token_ids
+                or request.num_computed_tokens != request.num_tokens - 1):
+            return None
+        del self.requests[request_id]
+        self.running.remove(request)
+        request.status = RequestStatus.FINISHED_ABORTED
+        self.transferring[request_id] = request
+        return request
+
     def release_transfer(self, request_id: str) -> None:
         """The KV transfer of a finished request is over (done or failed): free its blocks."""
         if self.transferring.pop(request_id, None) is not None:

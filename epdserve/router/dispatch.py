@@ -47,7 +47,8 @@ class Dispatcher:
         self.encode = flow.encode
         self.registered = asyncio.Event()  # set at every registration
         self._pidfds: dict[str, int] = {}
-        self.switcher = RoleSwitcher(registry, channel, metrics, self._on_leave_role, self.mark_dead)
+        self.switcher = RoleSwitcher(registry, channel, metrics, self._on_leave_role, self.mark_dead,
+                                     flow.handover.hand_over_all)
 
     def handle(self, sender: str, msg: m.Message) -> None:
         if not self._is_from_its_worker(sender, msg):
@@ -67,7 +68,11 @@ class Dispatcher:
             case m.Reserved():
                 flow.on_reserved(msg)
             case m.TransferDone():
-                flow.on_transfer_done(msg)
+                flow.on_transfer_done(msg, sender)
+            case m.Paused():
+                flow.handover.on_paused(sender, msg)
+            case m.Retargeted():
+                flow.handover.on_retargeted(sender, msg)
             case m.ReservationExpired():
                 flow.on_reservation_expired(sender, msg)
             case m.RequestFailed():
@@ -120,6 +125,7 @@ class Dispatcher:
         elif not self.switcher.on_register(old, info) and old is not None:
             info.num_switches = old.num_switches
         self.registry.add(info)
+        self.flow.handover.forget(msg.worker_id)
         self.encode.on_register(msg)
         self.metrics.worker_up.labels(msg.worker_id, msg.role).set(1)
         if msg.role == Role.DECODE and msg.kv_endpoint is not None:

@@ -33,7 +33,7 @@ from epdserve.router.workers import WorkerRegistry, WorkerState
 from epdserve.transfer.slab import SlabAllocator
 
 if TYPE_CHECKING:
-    from epdserve.self.metrics import RouterMetrics
+    from epdserve.router.metrics import RouterMetrics
 
     from epdserve.router.channel import WorkerChannel
     from epdserve.router.images import ImageInput

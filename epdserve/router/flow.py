@@ -34,6 +34,7 @@ from epdserve.router.admission import Overloaded
 from epdserve.router.channel import WorkerChannel
 from epdserve.router.config import RouterConfig
 from epdserve.router.encode_stage import EncodeStage
+from epdserve.router.handover import DecodeHandover
 from epdserve.router.images import ImageInput
 from epdserve.router.metrics import RouterMetrics
 from epdserve.router.path import Mode, Path, Phase, RequestHandle, StreamEvent
@@ -59,6 +60,7 @@ class RequestFlow:
         self.handles: dict[str, RequestHandle] = {}  # admitted requests not yet finished
         self.paths: dict[str, Path] = {}  # paths some worker, slab region or encode job still holds
         self.encode = EncodeStage(self, channel, registry, metrics, config.encode_pipelined)
+        self.handover = DecodeHandover(self, channel, registry, metrics, config)
         self.role_controller: RoleController | None = None  # --role-switching auto: fed the latencies below
         self.traffic = TrafficLog()  # the arrival mix (GET /v1/traffic)
 
@@ -83,9 +85,9 @@ class RequestFlow:
                        images: list[ImageInput]) -> None:
         """Reserve blocks on a decode worker for every sequence, then submit each to a prefill
         worker; on a refusal the caller aborts every path of the request."""
-        paths = [Path(path_id, handle, index, prompt, seq_params, Mode.PD)
-                 for index, (path_id, seq_params) in enumerate(params.split(handle.request_id))]
         prompt_blocks = self._prompt_blocks(prompt, images)
+        paths = [Path(path_id, handle, index, prompt, seq_params, Mode.PD, prompt_blocks=prompt_blocks)
+                 for index, (path_id, seq_params) in enumerate(params.split(handle.request_id))]
         if self.config.admission == "predictive":
             self._check_slo(Role.PREFILL, handle, prompt_blocks, params)
         for path in paths:
@@ -164,6 +166,12 @@ class RequestFlow:
     # -- worker events -------------------------------------------------------------------
     def on_reserved(self, msg: m.Reserved) -> None:
         path = self.paths.get(msg.request_id)
+        if path is not None and path.phase is Phase.HANDING_OVER and not path.done:
+            self.handover.on_reserved(path, msg)
+            return
+        if path is not None and path.retarget_to is not None and not path.done:
+            self.handover.on_retarget_reserved(path, msg)
+            return
         if path is None or path.reserved is None or path.reserved.done():
             return
         if msg.ok:
@@ -185,7 +193,9 @@ class RequestFlow:
                 out = msgspec.structs.replace(out, index=path.index)
                 if msg.worker_id == path.prefill and path.phase is Phase.PREFILLING:
                     out = self._on_first_token(path, out)
-                elif msg.worker_id != path.decode or path.phase is not Phase.DECODING:
+                elif msg.worker_id != path.decode or not (
+                        path.phase is Phase.DECODING
+                        or (path.phase is Phase.HANDING_OVER and path.handover_tokens is None)):
                     continue  # late output of a worker this path has left (e.g. after a recompute)
                 elif out.finished:
                     self._finish_path(path)
@@ -228,9 +238,13 @@ class RequestFlow:
             path.transfer_timer = loop.call_later(self.config.transfer_timeout_s, self.on_transfer_timeout, path)
         return msgspec.structs.replace(out, finished=False, finish_reason=None)
 
-    def on_transfer_done(self, msg: m.TransferDone) -> None:
+    def on_transfer_done(self, msg: m.TransferDone, sender: str = "") -> None:
         path = self.paths.get(msg.request_id)
         if path is None:
+            return
+        if path.phase is Phase.HANDING_OVER:
+            if not path.done:
+                self.handover.on_transfer_done(path, sender, msg)
             return
         path.transfer_done = True
         if path.transfer_timer is not None:
@@ -333,6 +347,12 @@ class RequestFlow:
             if path.mode is Mode.PD and worker.role == Role.DECODE and path.phase is Phase.DRAINING:
                 path.done = True
                 continue
+            if path.phase is Phase.HANDING_OVER and worker.worker_id == path.handover_to:
+                self.handover.on_target_lost(path)  # the source still holds it
+                continue
+            if worker.worker_id == path.retarget_to:
+                path.retarget_to = None  # it goes on to its decode worker
+                continue
             self.fail(path, f"{worker.role} worker {worker.worker_id} failed while serving this request ({reason})")
 
     def on_first_token_timeout(self, handle: RequestHandle) -> None:
@@ -378,6 +398,10 @@ class RequestFlow:
         prefill_alive = prefill is not None and prefill.is_serving
         if path.prefill is not None:
             self.channel.post(path.prefill, m.Abort(path.path_id))
+        for other in (path.handover_to, path.retarget_to):
+            if other is not None:
+                self.channel.post(other, m.Abort(path.path_id))
+                self._release(path, other)
         if path.decode is not None and (path.transfer_done or not prefill_alive or path.phase is Phase.RESERVING):
             self.channel.post(path.decode, m.Abort(path.path_id))
             self._release(path, path.decode)

@@ -59,6 +59,10 @@ class RouterMetrics:
         self.role_switches = Counter("epdserve_role_switches_total", "Workers that changed role at run time "
                                      "(--role-switching), by the role left and the role taken",
                                      ["from_role", "to_role"], registry=r)
+        self.handovers = Counter("epdserve_handovers_total", "Requests a draining decode worker handed to "
+                                 "another (moved: running, its KV copied; recomputed: the fallback; retargeted: "
+                                 "its prompt still queued, its KV sent to the other's blocks)", ["outcome"],
+                                 registry=r)
         self.workers_by_role = Gauge("epdserve_workers", "Workers by role and state (ready; draining: finishing "
                                      "what they hold before a switch of role; switching)", ["role", "state"],
                                      registry=r)

@@ -10,6 +10,10 @@ A path's phases (``Phase``)::
                         holds blocks)            computes, pushes KV)       first token already out)       streams the rest)
                                                                  └─ the first token is the last ─▶ DRAINING (blocks go
                                                                                                     when the transfer ends)
+
+    DECODING ──its decode worker drains for a switch of role──▶ HANDING_OVER ──▶ DECODING on
+    another decode worker; PREFILLING, still queued: its KV re-pointed to another decode
+    worker's blocks (handover.py)
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from enum import StrEnum
 from epdserve.cluster import messages as m
 from epdserve.request import EventType
 from epdserve.router.images import ImageInput
+from epdserve.router.workers import PromptBlocks
 from epdserve.sampling import SamplingParams
 from epdserve.service import DEFAULT_CLASS
 from epdserve.transfer.slab import SlabRegion
@@ -42,6 +47,7 @@ class Phase(StrEnum):
     TRANSFERRING = "transferring"
     DECODING = "decoding"
     DRAINING = "draining"
+    HANDING_OVER = "handing_over"
 
 
 @dataclass
@@ -130,7 +136,17 @@ class Path:
     transfer_timer: asyncio.TimerHandle | None = None
     done: bool = False
     mm: PathImages | None = None  # images: slab space and encode jobs
+    # Handing over from a draining decode worker (handover.py): the decode worker it moves to,
+    # the tokens generated before the move (from ``Paused``), and whether it may not be tried.
+    handover_to: str | None = None
+    handover_tokens: list[int] | None = None
+    handover_generation: int = 0
+    no_handover: bool = False
+    # ... or, still queued at its prefill worker, re-pointed to another decode worker's blocks
+    retarget_to: str | None = None
+    no_retarget: bool = False
+    prompt_blocks: PromptBlocks | None = None  # P/D: the prompt's blocks by prefix-cache key
 
     @property
-    def workers(self) -> tuple[str | None, str | None, str | None]:
-        return self.colocated, self.prefill, self.decode
+    def workers(self) -> tuple[str | None, ...]:
+        return self.colocated, self.prefill, self.decode, self.handover_to, self.retarget_to

@@ -10,6 +10,8 @@ It moves workers from the side with slack to the side under pressure when
 
     the needy side's pressure > high                         (it is about to miss its SLO)
     and the donor side's pressure with n - 1 workers < low   (it keeps its slack; low < high)
+        or the needy side's is priority_ratio times the donor's with n - 1 (both past their SLOs:
+                                                              the one further past gets it)
 
 has held for ``num_confirm`` decisions in a row: as many as bring the needy side's projected
 pressure down to ``high``, no more than keep the donor's under ``low`` (one on a small
@@ -59,6 +61,9 @@ class RoleControlConfig:
     min_dwell_s: float = 30.0  # a worker keeps a role at least this long (seconds)
     cooldown_s: float = 10.0  # after a switch ends, before the next may begin (seconds)
     num_confirm: int = 3  # consecutive decisions that agree before a switch begins
+    # A side this many times further past its SLO than the donor would be gets a worker even when
+    # the donor has no slack left (both past their SLOs: the worse one first).
+    priority_ratio: float = 2.0
     min_samples: int = 8  # latencies a window needs before its percentile counts
 
     def __post_init__(self) -> None:
@@ -66,6 +71,8 @@ class RoleControlConfig:
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and 0 < value < math.inf):
                 raise ConfigError(f"role control: {name} must be a finite number > 0, got {value!r}")
+        if not self.priority_ratio > 1:
+            raise ConfigError(f"role control: priority_ratio must be > 1, got {self.priority_ratio}")
         if not 0 < self.low < self.high:
             raise ConfigError(f"role control: need 0 < low < high, got low={self.low}, high={self.high}")
         if self.min_dwell_s < 0 or self.cooldown_s < 0 or self.num_confirm < 1 or self.min_samples < 1:
@@ -139,13 +146,19 @@ def _grown(p90: float | None, base: float | None, factor: float) -> float:
 
 def _num_to_move(num_needy: int, num_donor: int, needy_with, donor_with, config: RoleControlConfig) -> int:  # noqa: ANN001
     """Workers to move from the donor side to the needy one: the fewest that bring the needy
-    side's projected pressure to ``high`` (one when the projection sees no gain from more),
-    never more than keep the donor side's under ``low`` (0: the donor cannot spare one)."""
+    side's projected pressure to ``high`` (one when the projection sees no gain from more).
+    The k-th may go while the donor side with k fewer stays under ``low``, or while the needy
+    side (with k - 1 more) is still ``priority_ratio`` times further past its SLO than the donor
+    side would be (the side furthest past its SLO gets the worker); 0: none may go."""
     num = 0
-    while num + 1 < num_donor and donor_with(num_donor - num - 1) < config.low:
+    while num + 1 < num_donor:
+        donor_after = donor_with(num_donor - num - 1)
+        needy_now = needy_with(num_needy + num)
+        if not (donor_after < config.low or needy_now > config.priority_ratio * donor_after):
+            break
         num += 1
         after = needy_with(num_needy + num)
-        if after <= config.high or after >= needy_with(num_needy + num - 1):
+        if after <= config.high or after >= needy_now:
             break
     return num
 

@@ -60,14 +60,18 @@ def check_switch(registry: WorkerRegistry, worker_id: str, role: str) -> WorkerI
 class RoleSwitcher:
     def __init__(self, registry: WorkerRegistry, channel: WorkerChannel, metrics: RouterMetrics,
                  on_leave: Callable[[WorkerInfo], None], on_timeout: Callable[[str, str], None],
+                 hand_over: Callable[[WorkerInfo], None] = lambda worker: None,
                  register_timeout_s: float = DEFAULT_REGISTER_TIMEOUT_S) -> None:
         """``on_leave(worker)``: its old role's resources are going (peers, slab);
+        ``hand_over(worker)``: move what a draining decode worker runs to the others
+        (handover.py), rather than wait for it to finish;
         ``on_timeout(worker_id, reason)``: give up a worker that did not come back;
         ``on_switched`` (set by the router): called with each worker that finished a switch."""
         self.registry = registry
         self.channel = channel
         self.metrics = metrics
         self.on_leave = on_leave
+        self.hand_over = hand_over
         self.on_timeout = on_timeout
         self.register_timeout_s = register_timeout_s
         self.switching: dict[str, WorkerInfo] = {}  # DRAINING or SWITCHING, by id
@@ -94,6 +98,8 @@ class RoleSwitcher:
         for worker in list(self.switching.values()):
             if worker.state is WorkerState.DRAINING and not worker.request_ids:
                 self._send_switch(worker, now)
+            elif worker.state is WorkerState.DRAINING:
+                self.hand_over(worker)
             elif worker.state is WorkerState.SWITCHING and now - worker.switch_began > self.register_timeout_s:
                 self.switching.pop(worker.worker_id, None)
                 self.on_timeout(worker.worker_id, f"it did not register as a {worker.switch_to} worker within "

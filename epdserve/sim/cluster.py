@@ -16,7 +16,7 @@ A request's moments go on its ``Flight`` and its engine ``Request`` by ``EventTy
 from __future__ import annotations
 
 from epdserve.engine.step_shape import StepShape
-from epdserve.request import EventType, MMInput, Request
+from epdserve.request import EventType, MMInput, Request, RequestStatus
 from epdserve.router.admission import (
     Rejection,
     check_pending,
@@ -30,7 +30,7 @@ from epdserve.service import DEFAULT_KEY, SERVICE_CLASSES, schedule_key
 from epdserve.sim import fastforward
 from epdserve.sim.config import SimConfig
 from epdserve.sim.instance import EncodeInstance, StepInstance
-from epdserve.sim.loop import ARRIVAL, EMBED_DONE, ENCODE_END, RESERVED, TRANSFER_DONE, SimLoop
+from epdserve.sim.loop import ARRIVAL, EMBED_DONE, ENCODE_END, HANDED_OVER, RESERVED, TRANSFER_DONE, SimLoop
 from epdserve.sim.results import Flight
 from epdserve.validate import InvalidFieldError, check_prompt_length
 
@@ -256,6 +256,8 @@ class ClusterSim(SimLoop):
                     roles.observe_decode_step(end, step_s, num_seqs)
             inst.stretch = None
             inst.is_busy = False
+            if inst.handover_pending:
+                self.hand_over(inst)
             self._kick(inst)
             return
         now, out = self.now, inst.out
@@ -292,7 +294,9 @@ class ClusterSim(SimLoop):
                     self._complete(flight, 1)
             else:
                 request.record(EventType.FINISHED, now)
-                self._complete(flight, len(request.output_token_ids))
+                self._complete(flight, len(request.output_token_ids) + flight.num_handed_over)
+        if inst.handover_pending:
+            self.hand_over(inst)
         self._kick(inst)
         if roles is not None and roles.draining:
             roles.poll(now)
@@ -325,6 +329,77 @@ class ClusterSim(SimLoop):
             decode.scheduler.add_prefilled(request)
         self._kick(decode)
         self._kick(prefill)
+        if self.roles is not None and self.roles.draining:
+            self.roles.poll(self.now)
+
+    # -- hand-over (sim/roles.py) --------------------------------------------------------
+    def hand_over(self, source: StepInstance) -> None:
+        """As the router hands a draining decode worker's requests over (router/handover.py):
+        each decoding request moves to the least loaded ready decode instance that can reserve
+        for it, its KV leaving over the source's link, and continues there once it is out. The
+        source hands over between steps (a worker reads the router's messages then). A request
+        no target can take stays and finishes on the source (the router would recompute it
+        elsewhere)."""
+        if source.is_busy:
+            self._sync(source)
+            source.handover_pending = True
+            return
+        source.handover_pending = False
+        self._retarget_reservations(source)
+        kv_bytes = self.cost.kv_bytes_per_token
+        for request in list(source.scheduler.running):
+            rid = request.request_id
+            num_tokens = request.num_tokens - 1
+            if request.num_computed_tokens != num_tokens or not request.output_token_ids:
+                continue
+            target = self._pick("decode")
+            if target is None:
+                return
+            self._sync(target)
+            if target.scheduler.reserve(rid, num_tokens) is None:
+                continue
+            held = source.scheduler.hold_for_handover(rid)
+            target.worker.take(rid)
+            self._push(source.link.send(self.now, num_tokens * kv_bytes), HANDED_OVER,
+                       (self.flights[rid], held, source, target))
+
+    def _retarget_reservations(self, source: StepInstance) -> None:
+        """Prompts still waiting at their prefill instance whose KV is due on the draining
+        ``source``: reserved on another decode instance instead (the router's ``Retarget``)."""
+        for rid in list(source.scheduler.reserved):
+            flight = self.flights.get(rid)
+            prefill = flight.prefill if flight is not None else None
+            request = prefill.scheduler.requests.get(rid) if prefill is not None else None
+            if request is None or request.status is not RequestStatus.WAITING or request.num_computed_tokens:
+                continue
+            target = self._pick("decode")
+            if target is None:
+                return
+            self._sync(target)
+            blocks = target.scheduler.reserve(rid, flight.num_prompt)
+            if blocks is None:
+                continue
+            request.kv_target, request.kv_target_block_ids = target.worker.worker_id, blocks
+            source.scheduler.release_reservation(rid)
+            source.worker.drop(rid)
+            target.worker.take(rid)
+            flight.decode = target
+
+    def _on_handed_over(self, flight: Flight, held: Request, source: StepInstance, target: StepInstance) -> None:
+        rid = flight.request_id
+        source.scheduler.release_transfer(rid)
+        source.worker.drop(rid)
+        outputs = held.output_token_ids
+        flight.num_handed_over += len(outputs) - 1
+        request = Request(rid, held.prompt_token_ids + outputs[:-1],
+                          self._sampling(held.sampling.max_tokens - len(outputs) + 1, flight.key),
+                          arrival_time=flight.arrived)
+        request.output_token_ids.append(outputs[-1])
+        request.record(EventType.ARRIVED, self.now)
+        self._sync(target)
+        target.scheduler.add_prefilled(request)
+        flight.decode = target
+        self._kick(target)
         if self.roles is not None and self.roles.draining:
             self.roles.poll(self.now)
 

@@ -119,6 +119,7 @@ class StepInstance:
         self.is_busy = False
         self.busy_until = 0.0  # when the step (or stretch step) in flight ends
         self.step_start = 0.0  # when the stepped step in flight began
+        self.handover_pending = False  # draining: hand its requests over when the step in flight ends
         self.out: SchedulerOutput | None = None  # the step in flight
         self.stretch = None  # fastforward.Stretch in flight instead of one step
         self.epoch = 0  # bumped when a stretch is cut short: its pending end event is stale

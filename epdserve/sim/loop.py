@@ -4,6 +4,7 @@ Events sit in one heap as ``(time_s, kind, order, seq, payload)``. At equal time
 go first, so work that arrives at an instant is visible to a step that ends at that instant::
 
     ARRIVAL < EMBED_DONE < TRANSFER_DONE < ENCODE_END < STEP_END < RESERVED < HEARTBEAT < ROLE_SWITCHED
+    < HANDED_OVER
 
 and step ends at one instant go in instance order (``order``), the rest in push order.
 ``SimLoop.run`` pops them and calls the handler of each kind (``_on_arrival`` ..), which the
@@ -35,7 +36,7 @@ from epdserve.sim.results import Flight, MissWatch, Recorder
 from epdserve.sim.roles import SimRoleSwitching
 from epdserve.sim.workload import SimWorkload
 
-ARRIVAL, EMBED_DONE, TRANSFER_DONE, ENCODE_END, STEP_END, RESERVED, HEARTBEAT, ROLE_SWITCHED = range(8)
+ARRIVAL, EMBED_DONE, TRANSFER_DONE, ENCODE_END, STEP_END, RESERVED, HEARTBEAT, ROLE_SWITCHED, HANDED_OVER = range(9)
 
 
 class SimLoop:
@@ -74,7 +75,7 @@ class SimLoop:
             self._set_neighbours(inst)
         # --role-switching auto: the router's controller on these instances (sim/roles.py)
         self.roles = (SimRoleSwitching(config.role_control, config.role_switch_s, self.registry, self.instances,
-                                       self.by_worker_id, self.schedule_switch)
+                                       self.by_worker_id, self.schedule_switch, self.hand_over)
                       if config.role_control is not None and topo.is_split else None)
         # A step's time then depends on the other instances' state, which a fast-forwarded
         # stretch cannot see: step every step.
@@ -119,7 +120,7 @@ class SimLoop:
                 )
             node = f"sim-host-{index // config.instances_per_host}"
             inst = StepInstance(worker_id, profile, cost.block_size, self.max_model_len, config.enable_prefix_caching,
-                                config.max_num_seqs.get(role), link if role == "prefill" else None, cost.model,
+                                config.max_num_seqs.get(role), link if role in ("prefill", "decode") else None, cost.model,
                                 node, self._store(node), self.kv_tiers, cost.bytes_per_block())
         inst.index = index
         inst.worker.role_since = self.now  # the simulator's clock (registered now)
@@ -249,6 +250,8 @@ class SimLoop:
                 self._submit(*payload)
             elif kind == ROLE_SWITCHED:
                 self._on_role_switched(payload)
+            elif kind == HANDED_OVER:
+                self._on_handed_over(*payload)
             else:
                 self._on_heartbeat(payload)
         self.stats = SimStats(perf_counter() - started, num_events, self.now)
@@ -350,4 +353,10 @@ class SimLoop:
         raise NotImplementedError
 
     def _on_embed_done(self, flight: Flight, k: int) -> None:
+        raise NotImplementedError
+
+    def hand_over(self, source: StepInstance) -> None:
+        raise NotImplementedError
+
+    def _on_handed_over(self, flight: Flight, held: object, source: StepInstance, target: StepInstance) -> None:
         raise NotImplementedError

@@ -53,6 +53,7 @@ class Flight:
         "kv_sent",
         "mm_inputs",
         "num_cached_tokens",
+        "num_handed_over",
         "num_output",
         "num_pending_images",
         "num_prompt",
@@ -82,6 +83,7 @@ class Flight:
         self.num_pending_images = 0
         self.mm_inputs: list = []
         self.num_cached_tokens = 0
+        self.num_handed_over = 0  # tokens generated before its decode instance handed it over
 
     def at(self, event: EventType) -> float | None:
         """When ``event`` happened (None: not yet); ``event`` is one of ``FLIGHT_EVENTS``."""

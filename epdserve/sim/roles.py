@@ -26,13 +26,17 @@ from epdserve.sim.instance import EncodeInstance, StepInstance
 class SimRoleSwitching:
     def __init__(self, config: RoleControlConfig, switch_s: float, registry: WorkerRegistry,
                  instances: list[StepInstance | EncodeInstance], by_worker_id: dict[str, StepInstance | EncodeInstance],
-                 schedule_switch: Callable[[float, StepInstance], None]) -> None:
+                 schedule_switch: Callable[[float, StepInstance], None],
+                 hand_over: Callable[[StepInstance], None] = lambda inst: None) -> None:
         """``instances``, ``by_worker_id``: the loop's own (it replaces a switched instance in
-        them); ``schedule_switch(when, instance)``: the drained instance is back at ``when``."""
+        them); ``schedule_switch(when, instance)``: the drained instance is back at ``when``;
+        ``hand_over(instance)``: its decoding requests move to the other decode instances (as
+        router/handover.py moves them)."""
         self.registry = registry
         self.instances = instances
         self.by_worker_id = by_worker_id
         self.schedule_switch = schedule_switch
+        self.hand_over = hand_over
         self.controller = RoleController(config)
         self.switch_s = switch_s
         self.next_decision = config.interval_s
@@ -66,7 +70,9 @@ class SimRoleSwitching:
         worker.state = WorkerState.DRAINING
         worker.switch_to = Role(switch.to_role)
         worker.switch_began = now
-        self.draining[worker.worker_id] = self.by_worker_id[worker.worker_id]
+        inst = self.draining[worker.worker_id] = self.by_worker_id[worker.worker_id]
+        if inst.role == Role.DECODE:
+            self.hand_over(inst)
         p = switch.pressure
         self.switches.append({"began_s": now, "ended_s": None, "worker": worker.worker_id,
                               "from_role": switch.from_role, "to_role": switch.to_role,
@@ -77,6 +83,8 @@ class SimRoleSwitching:
         """Each draining instance that holds nothing now starts its switch."""
         for worker_id, inst in list(self.draining.items()):
             if inst.worker.request_ids or inst.is_busy or inst.scheduler.holds_blocks():
+                if inst.role == Role.DECODE and not inst.handover_pending and inst.scheduler.running:
+                    self.hand_over(inst)  # what started decoding here since (the router's poll does this)
                 continue
             del self.draining[worker_id]
             inst.worker.state = WorkerState.SWITCHING

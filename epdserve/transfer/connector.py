@@ -203,6 +203,10 @@ class KVPusher:
             self._compute_end.pop(request_id, None)
             self._skipped.pop(request_id, None)
 
+    def is_pushing(self, request_id: str) -> bool:
+        """Some of ``request_id``'s KV went (or is going) to its decode worker."""
+        return request_id in self._targets
+
     @property
     def num_in_flight(self) -> int:
         return len(self._targets)

@@ -117,37 +117,107 @@ def _plan_from_the_server(server, tmp_path) -> None:
 
 
 def test_switch_requested_while_requests_are_in_flight_loses_none(tmp_path):
+    """decode-1 holds running requests when it is asked to become a prefill worker: it hands them
+    over to decode-0 (their KV copied, they continue there) and switches while they still run;
+    every one completes with the greedy output it has without a switch, and new requests are
+    served meanwhile."""
     server = start_server(SMALL + ["--prefill-workers", "1", "--decode-workers", "2", "--dtype", "float32",
                                    "--role-switching", "manual"], str(tmp_path))
     try:
-        long = {"max_tokens": 96, "ignore_eos": True}
-        reference = {p: _complete(server.url, p, **long)["choices"][0]["text"] for p in PROMPTS}
+        long = {"max_tokens": 160, "ignore_eos": True}
         results: dict[str, dict] = {}
 
         def run(prompt: str) -> None:
             results[prompt] = _complete(server.url, prompt, **long)
 
+        threads = [threading.Thread(target=run, args=(p,)) for p in PROMPTS]  # the reference: no switch
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        reference = {p: r["choices"][0]["text"] for p, r in results.items()}
         threads = [threading.Thread(target=run, args=(p,)) for p in PROMPTS]
         for t in threads:
             t.start()
         # Both decode workers hold some of them (least-loaded routing alternates).
-        server.wait_until(lambda: all(server.worker(w)["load"]["num_requests"] > 0 for w in ("decode-0", "decode-1")),
-                          60, "both decode workers to hold requests")
+        server.wait_until(lambda: all(server.worker(w)["load"]["num_running"] > 0 for w in ("decode-0", "decode-1")),
+                          60, "both decode workers to run requests")
         r = _switch(server.url, "decode-1", "prefill")
         assert r.status_code == 202, r.text
-        assert r.json()["state"] == "draining" and r.json()["num_requests"] > 0
-        # New work meanwhile goes to decode-0 only; the draining worker finishes what it holds.
-        extra = _complete(server.url, "A new request while one worker drains")
+        assert r.json()["state"] in ("draining", "switching") and r.json()["num_requests"] > 0
+        _wait_role(server, "decode-1", "prefill", 30)
+        assert any(t.is_alive() for t in threads)  # it switched while the requests ran: handed over
+        extra = _complete(server.url, "A new request after the switch", ignore_eos=True)
         assert extra["usage"]["completion_tokens"] == 24
         for t in threads:
             t.join(120)
         assert {p: r["choices"][0]["text"] for p, r in results.items()} == reference
-        assert all(r["usage"]["completion_tokens"] == 96 for r in results.values())
-        _wait_role(server, "decode-1", "prefill")
-        assert _texts(server.url) == [_complete(server.url, p)["choices"][0]["text"] for p in PROMPTS]
-        server.wait_all_blocks_free()
+        assert all(r["usage"]["completion_tokens"] == 160 for r in results.values())
         metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
+        assert 'epdserve_handovers_total{outcome="moved"}' in metrics
         assert 'epdserve_requests_total{outcome="failed"}' not in metrics
+        server.wait_all_blocks_free()
+    finally:
+        stop_server(server)
+
+
+def test_a_hand_over_the_target_cannot_take_is_recomputed(tmp_path):
+    """With one seat per decode worker, the other decode worker cannot reserve for the running
+    request: the hand-over falls back to recomputing the prompt and its tokens so far there;
+    the request still completes whole and nothing leaks."""
+    server = start_server(SMALL + ["--prefill-workers", "1", "--decode-workers", "2", "--dtype", "float32",
+                                   "--max-num-seqs", "1", "--role-switching", "manual"], str(tmp_path))
+    try:
+        results: dict[str, dict] = {}
+
+        def run(prompt: str) -> None:
+            results[prompt] = _complete(server.url, prompt, max_tokens=120, ignore_eos=True)
+
+        threads = [threading.Thread(target=run, args=(p,)) for p in PROMPTS[:2]]
+        for t in threads:
+            t.start()
+        server.wait_until(lambda: all(server.worker(w)["load"]["num_running"] > 0 for w in ("decode-0", "decode-1")),
+                          60, "both decode workers to run a request")
+        assert _switch(server.url, "decode-1", "prefill").status_code == 202
+        _wait_role(server, "decode-1", "prefill", 60)
+        for t in threads:
+            t.join(120)
+        assert all(r["usage"]["completion_tokens"] == 120 for r in results.values()) and len(results) == 2
+        metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
+        assert 'epdserve_handovers_total{outcome="recomputed"} 1.0' in metrics
+        server.wait_all_blocks_free()
+    finally:
+        stop_server(server)
+
+
+def test_prompts_queued_for_a_leaving_decode_worker_are_sent_elsewhere(tmp_path):
+    """Long prompts queue at the one prefill worker with their blocks reserved on both decode
+    workers; decode-1 leaves: the prompts not yet started have their KV sent to decode-0's
+    blocks instead (re-pointed), so decode-1 switches without waiting for the queue, and every
+    answer is the one served without the switch."""
+    server = start_server(SMALL + ["--kv-cache-memory", "0.3", "--prefill-workers", "1", "--decode-workers", "2",
+                                   "--dtype", "float32", "--role-switching", "manual"], str(tmp_path))
+    try:
+        prompts = [[(7 * i + 31 * k) % 3000 + 200 for i in range(600)] for k in range(6)]
+        reference = [_complete(server.url, p, 8)["choices"][0]["text"] for p in prompts]
+        results: dict[int, dict] = {}
+
+        def run(k: int) -> None:
+            results[k] = _complete(server.url, prompts[k], 8)
+
+        threads = [threading.Thread(target=run, args=(k,)) for k in range(len(prompts))]
+        for t in threads:
+            t.start()
+        server.wait_until(lambda: server.worker("decode-1")["load"]["num_requests"] >= 2, 30,
+                          "decode-1 to hold reservations")
+        assert _switch(server.url, "decode-1", "prefill").status_code == 202
+        _wait_role(server, "decode-1", "prefill", 60)
+        for t in threads:
+            t.join(120)
+        assert [results[k]["choices"][0]["text"] for k in range(len(prompts))] == reference
+        metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
+        assert 'epdserve_handovers_total{outcome="retargeted"}' in metrics
+        server.wait_all_blocks_free()
     finally:
         stop_server(server)
 

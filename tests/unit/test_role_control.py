@@ -75,9 +75,9 @@ def test_decode_pressure_moves_a_prefill_worker():
 
 def test_no_switch_when_the_donor_would_lose_its_slack():
     workers = _cluster(1, 2)
-    _queue_prefill(workers, 2.0)
+    _queue_prefill(workers, 1.5)
     # Decode at 40 % of its KV bound: after losing one of two workers it would be at 80 %, above
-    # the band's low edge (0.7): no switch.
+    # the band's low edge (0.7), and prefill (1.5) is not twice as far past its SLO: no switch.
     _use_kv(workers, 0.4 * KV_FULL)
     controller = RoleController(CONFIG)
     assert _decide_n(controller, workers, 0.0, 10)[0] == []
@@ -202,3 +202,17 @@ def test_a_large_cluster_moves_several_workers_at_once():
     workers = _cluster(10, 10)
     _queue_prefill(workers, 1.0)  # 1.0 x 10 / (10 + k) <= 0.9: k = 2
     assert len(_decide_n(RoleController(CONFIG), workers, 0.0, 3)[0]) == 2
+
+
+def test_the_side_furthest_past_its_slo_gets_a_worker():
+    """Both sides past their SLOs: prefill at 4.0 is more than twice decode's 1.6 with one
+    worker fewer, so decode gives one up (one only: then prefill is no longer that far ahead)."""
+    workers = _cluster(2, 2)
+    _queue_prefill(workers, 4.0)
+    _use_kv(workers, 0.8 * KV_FULL)  # with one of two decode workers: 1.6
+    switches, _ = _decide_n(RoleController(CONFIG), workers, 0.0, 3)
+    assert [(s.from_role, s.to_role) for s in switches] == [("decode", "prefill")]
+    workers = _cluster(2, 2)
+    _queue_prefill(workers, 3.0)  # 3.0 < 2 x 1.6: it waits
+    _use_kv(workers, 0.8 * KV_FULL)
+    assert _decide_n(RoleController(CONFIG), workers, 0.0, 10)[0] == []

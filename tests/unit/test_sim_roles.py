@@ -83,3 +83,24 @@ def test_nothing_to_switch(topology):
     sim, _ = _run(topology, _workload(60, 1.5, 1000, 8))
     assert sim.summary().get("role_switching", {"num_switches": 0})["num_switches"] == 0
     assert tuple(dict.fromkeys(inst.role for inst in sim.instances)) == roles
+
+
+def test_a_draining_decode_instance_hands_its_requests_over():
+    """Long answers occupy the three decode instances, then long prompts pile up on the one
+    prefill instance: a decode instance switches within a few steps, not after its answers end
+    (they move, KV and all, to the other decode instances), and every answer is whole."""
+    long_answers = _workload(30, 10.0, 32, 400)
+    long_prompts = _workload(60, 2.0, 1000, 4, seed=2)
+    workload = SimWorkload("shift", np.concatenate([long_answers.arrival_s, 3.0 + long_prompts.arrival_s]),
+                           np.concatenate([long_answers.input_lens, long_prompts.input_lens]),
+                           np.concatenate([long_answers.output_lens, long_prompts.output_lens]), None)
+    control = RoleControlConfig(ttft_slo_s=2.0, tpot_slo_s=2.0, min_dwell_s=0.0, cooldown_s=2.0)
+    sim, rec = _run("prefill=1,decode=3", workload, control)
+    first = sim.summary()["role_switching"]["switches"][0]
+    assert (first["from_role"], first["to_role"]) == ("decode", "prefill")
+    # It waited only for a prompt being prefilled for it (its reservation cannot move then),
+    # not for the answers it ran: they moved and finished after it switched.
+    answers_end = workload.arrival_s[:30] + rec.latency[:30]
+    assert first["ended_s"] < answers_end.min()
+    assert rec.is_ok[:30].all()  # (later prompts may find the one decode instance left full: a 503)
+    np.testing.assert_array_equal(rec.output_len[:30], workload.output_lens[:30])
