@@ -25,6 +25,7 @@ from epdserve.cluster.worker_llm import LLMWorker, WorkerOptions
 from epdserve.config import EngineArgs, resolve_device_name
 from epdserve.engine.block_pool import HASH_BYTES
 from epdserve.engine.engine import KVCacheAllocator
+from epdserve.engine.failures import describe, is_fatal
 from epdserve.errors import InvalidRequestError
 from epdserve.models.loader import LoadedModel
 from epdserve.roles import Role
@@ -139,10 +140,14 @@ class DecodeWorker(LLMWorker):
         try:
             self.engine.push_handover(msg.request_id, msg.target, msg.target_block_ids, msg.target_generation,
                                       msg.target_num_cached)
-        except InvalidRequestError as e:
+        except Exception as e:  # the router recomputes it elsewhere
+            if is_fatal(e):
+                raise
+            if not isinstance(e, InvalidRequestError):
+                log.exception("handing %s over to %s failed", msg.request_id, msg.target)
             self._handovers.discard(msg.request_id)
             self.engine.scheduler.release_transfer(msg.request_id)
-            self._send(m.TransferDone(msg.request_id, False, reason=str(e)))
+            self._send(m.TransferDone(msg.request_id, False, reason=describe(e, "handing the request over")))
 
     def _on_reserve(self, msg: m.Reserve) -> None:
         block_size = self.engine.kv_cache.block_size

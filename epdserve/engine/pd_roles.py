@@ -203,6 +203,9 @@ class PDRoles:
         if pusher is None or target not in pusher.links:
             raise InvalidRequestError(f"no link to decode worker {target}")
         num_tokens = request.num_computed_tokens
+        block_size = self.scheduler.kv_cache.block_size
+        if any(len(t) * block_size < num_tokens for t in dst_tables) or not 0 <= num_cached <= num_tokens:
+            raise InvalidRequestError(f"the target's blocks hold fewer than the {num_tokens} positions of {request_id}")
         src_tables = self.scheduler.kv_cache.block_tables(request_id)
         pusher.begin_step([PushItem(request_id, target, num_cached, num_tokens, [list(t) for t in src_tables],
                                     dst_tables, True, generation, num_cached)])

@@ -123,6 +123,8 @@ class RequestFlow:
         if slo is None or slo.ttft_s is None:
             return
         predicted = self.registry.predict_ttft(role, prompt_blocks, params.priority)
+        if predicted is not None:  # its first token tells how far off the prediction was
+            handle.predicted_ttft_s = predicted / self.registry.ttft_correction.factor
         rejection = admission.check_predicted_ttft(handle.service_class, predicted, slo)
         if rejection is not None:
             raise Overloaded(rejection)
@@ -468,6 +470,8 @@ class RequestFlow:
                 handle.first_token_timer.cancel()
                 handle.first_token_timer = None
             self.metrics.ttft.observe(now - timing.arrived)
+            if handle.predicted_ttft_s is not None:
+                self.registry.ttft_correction.observe(handle.predicted_ttft_s, now - timing.arrived)
             if self.role_controller is not None:
                 self.role_controller.observe_ttft(time.monotonic(), now - timing.arrived)
             timing.record(EventType.PREFILL_START, out.prefill_start)

@@ -162,7 +162,7 @@ class DecodeHandover:
             return
         path.handover_to = target.worker_id
         target.take(path.path_id)
-        num_tokens = len(path.prompt_token_ids) + len(path.handover_tokens) - 1
+        num_tokens = len(path.current_prompt) + len(path.handover_tokens) - 1
         self.channel.post(target.worker_id, m.Reserve(path.path_id, num_tokens))
 
     def on_reserved(self, path: Path, msg: m.Reserved) -> None:
@@ -201,11 +201,13 @@ class DecodeHandover:
             return
         tokens = path.handover_tokens
         done = len(tokens) - 1  # generated before; the target starts after the last one
-        params = replace(path.params, max_tokens=path.params.max_tokens - done,
-                         min_tokens=max(0, path.params.min_tokens - done))
-        self.channel.post(target, m.StartDecode(path.path_id, path.prompt_token_ids + tokens[:-1], tokens[-1], params,
+        current = path.current_params
+        params = replace(current, max_tokens=current.max_tokens - done, min_tokens=max(0, current.min_tokens - done))
+        prompt = path.current_prompt + tokens[:-1]
+        self.channel.post(target, m.StartDecode(path.path_id, prompt, tokens[-1], params,
                                                 kv_via_tcp=msg.transport == "tcp"))
         self._move_to(path, target)
+        path.decode_prompt, path.decode_params = prompt, params
         self.metrics.handovers.labels("moved").inc()
         self.metrics.kv_bytes.labels(msg.transport or "shm").inc(msg.kv_bytes)
 
@@ -239,16 +241,19 @@ class DecodeHandover:
             self.owner.fail(path, f"cannot hand the request over ({why}) and its decode worker is gone")
             return
         log.info("handing %s over by recomputing it on %s: %s", path.path_id, worker.worker_id, why)
-        params = replace(path.params, max_tokens=path.params.max_tokens - len(tokens),
-                         min_tokens=max(0, path.params.min_tokens - len(tokens)))
+        current = path.current_params
+        params = replace(current, max_tokens=current.max_tokens - len(tokens),
+                         min_tokens=max(0, current.min_tokens - len(tokens)))
+        prompt = path.current_prompt + tokens
         self.channel.post(source, m.Abort(path.path_id))
         self._end_timer(path)
         if params.max_tokens < 1:
             self.owner.fail(path, f"cannot hand the request over ({why})")
             return
         path.no_handover = worker.worker_id == source  # it stays on the draining worker: no second try
-        self._move_to(path, worker.worker_id, len(path.prompt_token_ids) + len(tokens))
-        if not self.channel.post(worker.worker_id, m.Submit(path.path_id, path.prompt_token_ids + tokens, params)):
+        self._move_to(path, worker.worker_id, len(prompt))
+        path.decode_prompt, path.decode_params = prompt, params
+        if not self.channel.post(worker.worker_id, m.Submit(path.path_id, prompt, params)):
             self.owner.fail(path, f"cannot hand the request over ({why})")
             return
         self.metrics.handovers.labels("recomputed").inc()

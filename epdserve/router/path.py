@@ -70,6 +70,7 @@ class RequestHandle:
     first_token_timer: asyncio.TimerHandle | None = None
     service_class: str = DEFAULT_CLASS  # epdserve.service
     num_output_tokens: int = 0  # every sequence's, so far
+    predicted_ttft_s: float | None = None  # --admission predictive: before ``ttft_correction``
 
     async def events(self) -> AsyncIterator[StreamEvent]:
         async for batch in self.event_batches():
@@ -145,6 +146,18 @@ class Path:
     # ... or, still queued at its prefill worker, re-pointed to another decode worker's blocks
     retarget_to: str | None = None
     no_retarget: bool = False
+    # After a hand-over, the prompt and parameters its decode worker runs it with: the original
+    # prompt plus the tokens generated before the move, the answer's remaining length.
+    decode_prompt: list[int] | None = None
+    decode_params: SamplingParams | None = None
+
+    @property
+    def current_prompt(self) -> list[int]:
+        return self.decode_prompt if self.decode_prompt is not None else self.prompt_token_ids
+
+    @property
+    def current_params(self) -> SamplingParams:
+        return self.decode_params if self.decode_params is not None else self.params
     prompt_blocks: PromptBlocks | None = None  # P/D: the prompt's blocks by prefix-cache key
 
     @property

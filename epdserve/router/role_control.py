@@ -11,7 +11,9 @@ It moves workers from the side with slack to the side under pressure when
     the needy side's pressure > high                         (it is about to miss its SLO)
     and the donor side's pressure with n - 1 workers < low   (it keeps its slack; low < high)
         or the needy side's is priority_ratio times the donor's with n - 1 (both past their SLOs:
-                                                              the one further past gets it)
+                                                              the one further past gets it; not to
+                                                              undo the last round within
+                                                              priority_hold_s)
 
 has held for ``num_confirm`` decisions in a row: as many as bring the needy side's projected
 pressure down to ``high``, no more than keep the donor's under ``low`` (one on a small
@@ -63,7 +65,10 @@ class RoleControlConfig:
     num_confirm: int = 3  # consecutive decisions that agree before a switch begins
     # A side this many times further past its SLO than the donor would be gets a worker even when
     # the donor has no slack left (both past their SLOs: the worse one first).
-    priority_ratio: float = 2.0
+    priority_ratio: float = 3.0
+    # ... but not to undo the last round within this many seconds (a transient on the side that
+    # just gave workers away, such as the answers they handed over, would swing them back)
+    priority_hold_s: float = 60.0
     min_samples: int = 8  # latencies a window needs before its percentile counts
 
     def __post_init__(self) -> None:
@@ -75,7 +80,7 @@ class RoleControlConfig:
             raise ConfigError(f"role control: priority_ratio must be > 1, got {self.priority_ratio}")
         if not 0 < self.low < self.high:
             raise ConfigError(f"role control: need 0 < low < high, got low={self.low}, high={self.high}")
-        if self.min_dwell_s < 0 or self.cooldown_s < 0 or self.num_confirm < 1 or self.min_samples < 1:
+        if self.min_dwell_s < 0 or self.cooldown_s < 0 or self.priority_hold_s < 0 or self.num_confirm < 1 or self.min_samples < 1:
             raise ConfigError("role control: dwell and cooldown must be >= 0, num_confirm and min_samples >= 1")
 
 
@@ -144,7 +149,8 @@ def _grown(p90: float | None, base: float | None, factor: float) -> float:
     return base + (p90 - base) * factor
 
 
-def _num_to_move(num_needy: int, num_donor: int, needy_with, donor_with, config: RoleControlConfig) -> int:  # noqa: ANN001
+def _num_to_move(num_needy: int, num_donor: int, needy_with, donor_with, config: RoleControlConfig,  # noqa: ANN001
+                 may_take_priority: bool = True) -> int:
     """Workers to move from the donor side to the needy one: the fewest that bring the needy
     side's projected pressure to ``high`` (one when the projection sees no gain from more).
     The k-th may go while the donor side with k fewer stays under ``low``, or while the needy
@@ -154,7 +160,8 @@ def _num_to_move(num_needy: int, num_donor: int, needy_with, donor_with, config:
     while num + 1 < num_donor:
         donor_after = donor_with(num_donor - num - 1)
         needy_now = needy_with(num_needy + num)
-        if not (donor_after < config.low or needy_now > config.priority_ratio * donor_after):
+        if not (donor_after < config.low
+                or (may_take_priority and needy_now > config.priority_ratio * donor_after)):
             break
         num += 1
         after = needy_with(num_needy + num)
@@ -197,6 +204,8 @@ class RoleController:
         self.ttft_floor_s: float | None = None
         self.itl_floor_s: float | None = None
         self._want: tuple[str, str] | None = None  # (from role, to role) the last decisions agreed on
+        self._last_round: tuple[str, str] | None = None  # (from role, to role) of the last switches begun
+        self._last_round_at = -math.inf
         self._num_agreeing = 0
 
     # -- what it is told -----------------------------------------------------------------
@@ -250,11 +259,13 @@ class RoleController:
         want, num = None, 0
         if p.prefill > cfg.high:
             num = _num_to_move(p.num_prefill, p.num_decode, lambda n: prefill_pressure_with(p, cfg, n),
-                               lambda n: decode_pressure_with(p, cfg, n), cfg)
+                               lambda n: decode_pressure_with(p, cfg, n), cfg,
+                               not self._undoes_last_round((Role.DECODE, Role.PREFILL), now))
             want = (Role.DECODE, Role.PREFILL) if num else None
         if want is None and p.decode > cfg.high:
             num = _num_to_move(p.num_decode, p.num_prefill, lambda n: decode_pressure_with(p, cfg, n),
-                               lambda n: prefill_pressure_with(p, cfg, n), cfg)
+                               lambda n: prefill_pressure_with(p, cfg, n), cfg,
+                               not self._undoes_last_round((Role.PREFILL, Role.DECODE), now))
             want = (Role.PREFILL, Role.DECODE) if num else None
         if self._agree(want) is None or self._num_agreeing < cfg.num_confirm:
             return []
@@ -264,7 +275,13 @@ class RoleController:
         if not donors:
             return []
         self._want, self._num_agreeing = None, 0
+        self._last_round, self._last_round_at = want, now
         return [Switch(w.worker_id, want[0], want[1], p) for w in donors[:num]]
+
+    def _undoes_last_round(self, want: tuple[str, str], now: float) -> bool:
+        last = self._last_round
+        return (last is not None and want == (last[1], last[0])
+                and now - self._last_round_at < self.config.priority_hold_s)
 
     def _agree(self, want: tuple[str, str] | None) -> tuple[str, str] | None:
         if want is None or want != self._want:

@@ -203,6 +203,29 @@ class PromptBlocks:
         return hashes
 
 
+class TTFTCorrection:
+    """How far measured times to first token run from ``WorkerRegistry.predict_ttft``'s: an
+    exponentially weighted mean of measured / predicted over the admitted requests (clamped to
+    [``MIN``, ``MAX``]; 1.0 until one is measured). The prediction's per-token rates are a
+    median of recent prompt-only steps; batched, chunked steps and the hand-off add to that
+    in service, and more so near saturation, where admission decides."""
+
+    MIN, MAX = 0.5, 4.0
+    WEIGHT = 0.1  # of each new request
+    MIN_PREDICTED_S = 0.05  # shorter predictions say too little about the ratio
+
+    def __init__(self) -> None:
+        self.factor = 1.0
+        self.num_observed = 0
+
+    def observe(self, predicted_s: float, measured_s: float) -> None:
+        if predicted_s < self.MIN_PREDICTED_S or not measured_s > 0:
+            return
+        ratio = min(max(measured_s / predicted_s, self.MIN), self.MAX)
+        self.factor += self.WEIGHT * (ratio - self.factor)
+        self.num_observed += 1
+
+
 class WorkerRegistry:
     def __init__(self, routing: str = DEFAULT_ROUTING, ttft_slo_s: float | None = None) -> None:
         """``ttft_slo_s``: prefix-aware routing's TTFT SLO for requests that name none
@@ -215,6 +238,7 @@ class WorkerRegistry:
         self.routing = routing
         self.ttft_slo_s = ttft_slo_s
         self.prefix_index = PrefixIndex()  # which worker holds which blocks (KV events)
+        self.ttft_correction = TTFTCorrection()  # predict_ttft against what admitted requests took
 
     def add(self, info: WorkerInfo) -> None:
         """A worker registered (again: its pool starts empty in the prefix index)."""
@@ -291,7 +315,8 @@ class WorkerRegistry:
     def predict_ttft(self, role: str, prompt: PromptBlocks, key: int = DEFAULT_KEY) -> float | None:
         """The smallest predicted time to first token of ``prompt`` over the ready workers of
         ``role`` (``prefix_index.score``: prefill queued ahead of a request of queue order
-        ``key``, loads, compute of the uncached rest); None without such workers. Admission
+        ``key``, loads, compute of the uncached rest), scaled by what measured TTFTs have run
+        over the predictions (``ttft_correction``); None without such workers. Admission
         (``admission.check_predicted_ttft``) reads it."""
         best = None
         index = self.prefix_index
@@ -303,7 +328,7 @@ class WorkerRegistry:
             s = score(index, Candidate(w.worker_id, queued_s), prompt.hashes(cost.block_size), prompt.num_tokens, cost)
             if best is None or s.predicted_ttft_s < best:
                 best = s.predicted_ttft_s
-        return best
+        return best * self.ttft_correction.factor if best is not None else None
 
     def pick_least_loaded(self, role: str) -> WorkerInfo | None:
         """The ready worker of ``role`` with the fewest prompt tokens still to prefill, then the

@@ -74,6 +74,7 @@ class ClusterSim(SimLoop):
         prompt_blocks = PromptBlocks(prompt) if self.is_prefix_aware else None
         service_class = SERVICE_CLASSES[self.class_ids[index]]
         key = schedule_key(service_class)
+        predicted = None
         if config.admission == "predictive":  # the router's rule (flow.py _check_slo)
             slo = config.class_slos.get(service_class)
             if slo is not None and slo.ttft_s is not None:
@@ -89,6 +90,8 @@ class ClusterSim(SimLoop):
         flight = Flight(index, now, num_prompt, num_output, prompt)
         flight.prompt_blocks = prompt_blocks
         flight.key = key
+        if predicted is not None:
+            flight.predicted_ttft_s = predicted / self.registry.ttft_correction.factor
         blocks = None
         answer_at = None  # when a busy decode instance answers the reservation
         if self.is_split:
@@ -280,6 +283,8 @@ class ClusterSim(SimLoop):
                             self.watch.on_first_token(flight.index, now - flight.arrived)
                         if roles is not None:
                             roles.observe_ttft(now, now - flight.arrived)
+                        if flight.predicted_ttft_s is not None:
+                            self.registry.ttft_correction.observe(flight.predicted_ttft_s, now - flight.arrived)
                         request.record(EventType.PREFILL_END, now)
                         request.record(EventType.FIRST_TOKEN, now)
         if self.detail_ids:

@@ -56,6 +56,7 @@ class Flight:
         "num_handed_over",
         "num_output",
         "num_pending_images",
+        "predicted_ttft_s",
         "num_prompt",
         "prefill",
         "prompt",
@@ -84,6 +85,7 @@ class Flight:
         self.mm_inputs: list = []
         self.num_cached_tokens = 0
         self.num_handed_over = 0  # tokens generated before its decode instance handed it over
+        self.predicted_ttft_s = None  # predictive admission's prediction (before its correction)
 
     def at(self, event: EventType) -> float | None:
         """When ``event`` happened (None: not yet); ``event`` is one of ``FLIGHT_EVENTS``."""

@@ -119,12 +119,13 @@ def _plan_from_the_server(server, tmp_path) -> None:
 def test_switch_requested_while_requests_are_in_flight_loses_none(tmp_path):
     """decode-1 holds running requests when it is asked to become a prefill worker: it hands them
     over to decode-0 (their KV copied, they continue there) and switches while they still run;
-    every one completes with the greedy output it has without a switch, and new requests are
-    served meanwhile."""
+    then it comes back and decode-0 leaves, handing them (some a second time) back. Every one
+    completes with the greedy output it has without a switch, and new requests are served
+    meanwhile."""
     server = start_server(SMALL + ["--prefill-workers", "1", "--decode-workers", "2", "--dtype", "float32",
                                    "--role-switching", "manual"], str(tmp_path))
     try:
-        long = {"max_tokens": 160, "ignore_eos": True}
+        long = {"max_tokens": 320, "ignore_eos": True}
         results: dict[str, dict] = {}
 
         def run(prompt: str) -> None:
@@ -147,12 +148,18 @@ def test_switch_requested_while_requests_are_in_flight_loses_none(tmp_path):
         assert r.json()["state"] in ("draining", "switching") and r.json()["num_requests"] > 0
         _wait_role(server, "decode-1", "prefill", 30)
         assert any(t.is_alive() for t in threads)  # it switched while the requests ran: handed over
+        # Back to decode, and decode-0 leaves in turn: the requests it took over move a second time.
+        assert _switch(server.url, "decode-1", "decode").status_code == 202
+        _wait_role(server, "decode-1", "decode", 30)
+        assert _switch(server.url, "decode-0", "prefill").status_code == 202
+        _wait_role(server, "decode-0", "prefill", 30)
+        assert any(t.is_alive() for t in threads)
         extra = _complete(server.url, "A new request after the switch", ignore_eos=True)
         assert extra["usage"]["completion_tokens"] == 24
         for t in threads:
             t.join(120)
         assert {p: r["choices"][0]["text"] for p, r in results.items()} == reference
-        assert all(r["usage"]["completion_tokens"] == 160 for r in results.values())
+        assert all(r["usage"]["completion_tokens"] == 320 for r in results.values())
         metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
         assert 'epdserve_handovers_total{outcome="moved"}' in metrics
         assert 'epdserve_requests_total{outcome="failed"}' not in metrics

@@ -205,14 +205,51 @@ def test_a_large_cluster_moves_several_workers_at_once():
 
 
 def test_the_side_furthest_past_its_slo_gets_a_worker():
-    """Both sides past their SLOs: prefill at 4.0 is more than twice decode's 1.6 with one
+    """Both sides past their SLOs: prefill at 5.0 is more than three times decode's 1.6 with one
     worker fewer, so decode gives one up (one only: then prefill is no longer that far ahead)."""
     workers = _cluster(2, 2)
-    _queue_prefill(workers, 4.0)
+    _queue_prefill(workers, 5.0)
     _use_kv(workers, 0.8 * KV_FULL)  # with one of two decode workers: 1.6
     switches, _ = _decide_n(RoleController(CONFIG), workers, 0.0, 3)
     assert [(s.from_role, s.to_role) for s in switches] == [("decode", "prefill")]
     workers = _cluster(2, 2)
-    _queue_prefill(workers, 3.0)  # 3.0 < 2 x 1.6: it waits
+    _queue_prefill(workers, 4.0)  # 4.0 < 3 x 1.6: it waits
     _use_kv(workers, 0.8 * KV_FULL)
     assert _decide_n(RoleController(CONFIG), workers, 0.0, 10)[0] == []
+
+
+def test_ttft_correction_follows_measured_over_predicted():
+    from epdserve.router.workers import TTFTCorrection
+
+    c = TTFTCorrection()
+    assert c.factor == 1.0
+    for _ in range(60):
+        c.observe(1.0, 1.5)
+    assert c.factor == pytest.approx(1.5, rel=0.01)
+    c.observe(0.01, 100.0)  # too short a prediction to learn from
+    c.observe(1.0, 0.0)
+    assert c.num_observed == 60
+    for _ in range(200):
+        c.observe(1.0, 50.0)  # clamped
+    assert c.factor == pytest.approx(TTFTCorrection.MAX, rel=0.01)
+
+
+def test_the_priority_rule_does_not_undo_the_last_round_at_once():
+    """Prefill took a decode worker by priority; then decode is the one far past its SLO (the
+    answers handed over to the decode worker left): within ``priority_hold_s`` it does not
+    take the worker back by priority, after it may."""
+    config = RoleControlConfig(ttft_slo_s=1.0, tpot_slo_s=0.1, min_dwell_s=0, cooldown_s=0, num_confirm=1,
+                               priority_hold_s=30.0)
+    controller = RoleController(config)
+    workers = _cluster(2, 2)
+    _queue_prefill(workers, 5.0)
+    _use_kv(workers, 0.8 * KV_FULL)
+    [switch] = controller.decide(0.0, workers)
+    assert switch.to_role == "prefill"
+    workers = _cluster(3, 1)  # after the switch: decode three times past its SLO, prefill under it
+    _queue_prefill(workers, 0.6)  # with one worker fewer: 0.9, past its band but < 3.0 / 3
+    for t in (10.0, 31.0):
+        for _ in range(10):
+            controller.observe_itl(t, 0.3)
+    assert controller.decide(10.0, workers) == []
+    assert [s.to_role for s in controller.decide(31.0, workers)] == ["decode"]
