@@ -304,7 +304,10 @@ async def serve(ns: argparse.Namespace) -> int:
             print(f"epdserve: error: cannot listen on {ns.host}:{ns.port}: {e.strerror}", file=sys.stderr)
             return 2
         port = sock.getsockname()[1]
-        server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
+        # Idle connections stay open longer than clients keep them (aiohttp 15 s, bench 60 s), so a
+        # client never reuses a connection the server is closing under it.
+        config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2, timeout_keep_alive=75)
+        server = uvicorn.Server(config)
         serving = asyncio.create_task(server.serve(sockets=[sock]))
         layout = ", ".join(f"{need[r]} {r}" for r in (Role.ENCODE, Role.PREFILL, Role.DECODE, Role.COLOCATED) if r in need)
         url = f"http://{ns.host}:{port}"
