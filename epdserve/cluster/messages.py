@@ -111,6 +111,7 @@ class Timing(msgspec.Struct, omit_defaults=True):
     num_decode_cached_tokens: int = 0  # P/D: prompt tokens the decode worker had cached
     kv_bytes: int = 0  # P/D: KV bytes moved prefill -> decode
     kv_bytes_skipped: int = 0  # P/D: KV bytes not moved (the decode worker held them)
+    kv_bytes_by_group: dict[str, int] = {}  # P/D: kv_bytes per KV cache group (full, sliding<W>)
     kv_load: KVLoad | None = None  # of num_cached_tokens, what came from the tiers below the pool
     encode_start: float = 0.0  # first image's encode began
     encode_end: float = 0.0  # last image's embedding is in the consumer's memory
@@ -229,6 +230,7 @@ class TransferDone(Msg):
     blocking_s: float = 0.0  # of which the prefill worker's compute thread spent moving bytes
     reason: str = ""
     transport: str = ""  # how the KV went: "shm" (same node) or "tcp"
+    kv_bytes_by_group: dict[str, int] = {}  # kv_bytes per KV cache group (full, sliding<W>)
 
 
 class Paused(Msg):

@@ -234,7 +234,8 @@ class DecodeWorker(LLMWorker):
                 self._handovers.discard(stats.request_id)
                 self._send(m.TransferDone(
                     stats.request_id, stats.ok, stats.kv_bytes, stats.kv_bytes_skipped, stats.start, stats.end,
-                    stats.exposed_s, stats.blocking_s, "" if stats.ok else "KV hand-over failed", stats.transport))
+                    stats.exposed_s, stats.blocking_s, "" if stats.ok else "KV hand-over failed", stats.transport,
+                    self.engine.kv_bytes_by_group(stats)))
         if not self._reservations:
             return
         deadline = time.monotonic() - self.opts.reservation_lease_s

@@ -105,6 +105,7 @@ class PrefillWorker(LLMWorker):
             self._send(m.TransferDone(
                 stats.request_id, stats.ok, stats.kv_bytes, stats.kv_bytes_skipped, stats.start, stats.end,
                 stats.exposed_s, stats.blocking_s, "" if stats.ok else "KV transfer failed", stats.transport,
+                self.engine.kv_bytes_by_group(stats),
             ))
 
     def _release(self) -> None:

@@ -45,7 +45,7 @@ from epdserve.faults import FaultKind, FaultPlan
 from epdserve.models.loader import LoadedModel, load_model
 from epdserve.request import EventType, MMInput, Request, RequestStatus
 from epdserve.sampling import SamplingParams
-from epdserve.transfer.connector import KVPusher
+from epdserve.transfer.connector import KVPusher, TransferStats
 from epdserve.validate import RequestLimits, check_prompt_ids
 
 KVCacheAllocator = Callable[[list[tuple[int, ...]], torch.dtype], list[torch.Tensor]]
@@ -297,6 +297,10 @@ class LLMEngine(PDRoles):
     @property
     def num_kv_groups(self) -> int:
         return len(self.kv_cache.groups)
+
+    def kv_bytes_by_group(self, stats: TransferStats) -> dict[str, int]:
+        """A transfer's bytes by KV cache group name (``KVCacheGroupSpec.name``)."""
+        return {g.name: b for g, b in zip(self.kv_cache.groups, stats.kv_bytes_by_group)}
 
     def record_kv_events(self) -> None:
         """Note the prefix-cache blocks stored and removed from now on (``take_kv_events``)."""

@@ -13,10 +13,17 @@ Token ranges of one request in one group (block size 4, sliding window 6)::
     full       [blk 7 ] [blk 3  ] [blk 9  ]
     sliding    [null  ] [blk 2  ] [blk 5  ]   next query at 10 needs positions 5..10
 
+A request whose prompt KV another worker writes (a decode worker's reservation) first
+queries at the prompt's end, so a sliding group reserves only the blocks in the window there
+(``first_query`` of ``allocate``); the leading entries are null blocks from the start, and only
+the window's blocks travel (``KVCacheGroupSpec.first_kept_block``).
+
 Prefix caching: a full block is named by a chained hash of its tokens and its parent's hash
 (``block_pool.hash_block``); each pool keeps its cached blocks and evicts them in LRU order.
-Prefix reuse needs every group's state for the prefix, so it is disabled for models with a
-group that cannot be rebuilt from a prefix (sliding window or recurrent state).
+A hit of n blocks counts where every group can rebuild the state for a query at n * block_size
+(as vLLM's hybrid allocator): a full group needs all n blocks, a sliding group only the blocks
+in the window before that point; the rest of its table is null blocks. A group kind with state
+that cannot be rebuilt from cached blocks (recurrent state) would switch prefix caching off.
 """
 
 from __future__ import annotations
@@ -46,7 +53,18 @@ class KVCacheGroupSpec:
 
     @property
     def is_prefix_cacheable(self) -> bool:
-        return self.kind == "full"
+        return self.kind in ("full", "sliding")
+
+    @property
+    def name(self) -> str:
+        """``full`` or ``sliding<W>``: the group in timings and metrics."""
+        return "full" if self.sliding_window is None else f"sliding{self.sliding_window}"
+
+    def first_kept_block(self, first_query: int, block_size: int) -> int:
+        """The first block a query at position ``first_query`` (or any later one) can see."""
+        if self.sliding_window is None:
+            return 0
+        return max(0, first_query - self.sliding_window + 1) // block_size
 
     def bytes_per_block(self, block_size: int, dtype_bytes: int) -> int:
         """K and V of every layer of the group for one block."""
@@ -149,18 +167,30 @@ class KVCacheManager:
         return self.lookup_prefix(self._full_block_hashes(request_id, token_ids, max_blocks), max_blocks)
 
     def lookup_prefix(self, hashes: list[bytes], max_blocks: int) -> PrefixHit:
-        """The cached blocks of the leading ``hashes`` (at most ``max_blocks``), in every group."""
+        """The longest cached prefix of the leading ``hashes`` (at most ``max_blocks``) that
+        every group can rebuild: full groups hold all its blocks, sliding groups the blocks in
+        the window before its end (their table starts with null blocks)."""
         if not self.enable_prefix_caching:
             return PrefixHit.empty(len(self.groups))
-        per_group: list[list[int]] = [[] for _ in self.groups]
-        for block_hash in hashes[:max_blocks]:
-            hits = [pool.lookup(block_hash) for pool in self.pools]
-            if any(h is None for h in hits):
-                break
-            for group_blocks, block_id in zip(per_group, hits):
-                group_blocks.append(block_id)
-        num_blocks = len(per_group[0])
-        return PrefixHit(num_blocks * self.block_size, tuple(tuple(b) for b in per_group))
+        hashes = hashes[:max_blocks]
+        found = [[pool.lookup(h) for h in hashes] for pool in self.pools]
+        n = len(hashes)
+        for group, blocks in zip(self.groups, found):
+            if group.sliding_window is None:
+                n = next((i for i, b in enumerate(blocks[:n]) if b is None), n)
+        while n and not all(self._window_cached(g, blocks, n) for g, blocks in zip(self.groups, found)):
+            n -= 1
+        bs = self.block_size
+        per_group = []
+        for group, blocks in zip(self.groups, found):
+            first = group.first_kept_block(n * bs, bs)
+            per_group.append((NULL_BLOCK,) * first + tuple(blocks[first:n]))
+        return PrefixHit(n * bs, tuple(per_group))
+
+    def _window_cached(self, group: KVCacheGroupSpec, blocks: list[int | None], n: int) -> bool:
+        """Whether a sliding group holds what a query after ``n`` cached blocks can see."""
+        first = group.first_kept_block(n * self.block_size, self.block_size)
+        return all(b is not None for b in blocks[first:n])
 
     def _full_block_hashes(self, request_id: str, token_ids: list[int], num_blocks: int) -> list[bytes]:
         entry = self._requests.get(request_id)
@@ -196,31 +226,40 @@ class KVCacheManager:
         for group_id, pool in enumerate(self.pools):
             table = entry.tables[group_id]
             for i in range(entry.num_cached_blocks, num_full):
-                pool.cache_block(table[i], hashes[i])
+                if table[i] != NULL_BLOCK:  # a sliding group's block left its window, or never held
+                    pool.cache_block(table[i], hashes[i])
         entry.num_cached_blocks = num_full
 
     # -- allocation ----------------------------------------------------------------------
     def can_allocate(
-        self, request_id: str, num_computed: int, num_new_tokens: int, hit: PrefixHit | None = None
+        self, request_id: str, num_computed: int, num_new_tokens: int, hit: PrefixHit | None = None,
+        first_query: int | None = None,
     ) -> bool:
         return all(
             need <= pool.num_free_blocks
-            for need, pool in zip(self._blocks_needed(request_id, num_computed, num_new_tokens, hit), self.pools)
+            for need, pool in zip(self._blocks_needed(request_id, num_computed, num_new_tokens, hit, first_query),
+                                  self.pools)
         )
 
     def allocate(
-        self, request_id: str, num_computed: int, num_new_tokens: int, hit: PrefixHit | None = None
+        self, request_id: str, num_computed: int, num_new_tokens: int, hit: PrefixHit | None = None,
+        first_query: int | None = None,
     ) -> bool:
         """Make room for tokens num_computed .. num_computed+num_new_tokens-1.
 
         ``num_computed`` counts tokens already in the cache, including a prefix hit being
-        applied now. Returns False and changes nothing when a pool is short of blocks.
+        applied now. ``first_query``: the first position this worker computes a query for
+        (default ``num_computed``); a reservation whose KV another worker writes queries first
+        at the prompt's end, and a sliding group then takes only the blocks in the window
+        there. Returns False and changes nothing when a pool is short of blocks.
         """
+        if first_query is None:
+            first_query = num_computed
         if hit is None and not self._has_windows:
             fast = self._grow(request_id, num_computed + num_new_tokens)
             if fast is not None:
                 return fast
-        if not self.can_allocate(request_id, num_computed, num_new_tokens, hit):
+        if not self.can_allocate(request_id, num_computed, num_new_tokens, hit, first_query):
             return False
         entry = self._requests.get(request_id)
         if entry is None:
@@ -229,9 +268,12 @@ class KVCacheManager:
         for group_id, pool in enumerate(self.pools):
             table = entry.tables[group_id]
             if hit is not None and hit.block_ids[group_id]:
-                pool.touch(list(hit.block_ids[group_id]))
+                pool.touch([b for b in hit.block_ids[group_id] if b != NULL_BLOCK])
                 table.extend(hit.block_ids[group_id])
-            self._release_out_of_window(group_id, table, num_computed)
+            num_dead = self._num_out_of_window(group_id, first_query)
+            if len(table) < num_dead:  # positions this worker never holds
+                table.extend([NULL_BLOCK] * (num_dead - len(table)))
+            self._release_out_of_window(group_id, table, first_query)
             num_missing = self.num_blocks_for(num_computed + num_new_tokens) - len(table)
             if num_missing > 0:
                 table.extend(pool.allocate(num_missing, _last_block(table)))
@@ -257,28 +299,26 @@ class KVCacheManager:
         return True
 
     def _blocks_needed(
-        self, request_id: str, num_computed: int, num_new_tokens: int, hit: PrefixHit | None
+        self, request_id: str, num_computed: int, num_new_tokens: int, hit: PrefixHit | None,
+        first_query: int | None = None,
     ) -> list[int]:
         """Blocks each pool must hand out, net of blocks leaving a sliding window."""
         entry = self._requests.get(request_id)
         total = self.num_blocks_for(num_computed + num_new_tokens)
+        first_query = num_computed if first_query is None else first_query
         needs = []
         for group_id, pool in enumerate(self.pools):
-            hit_blocks = list(hit.block_ids[group_id]) if hit is not None else []
-            table = (entry.tables[group_id] if entry else []) + hit_blocks
-            num_dead = min(self._num_out_of_window(group_id, num_computed), len(table))
+            hit_blocks = [b for b in hit.block_ids[group_id] if b != NULL_BLOCK] if hit is not None else []
+            table = (entry.tables[group_id] if entry else []) + list(hit.block_ids[group_id] if hit else ())
+            num_dead = self._num_out_of_window(group_id, first_query)
             num_released = sum(1 for b in table[:num_dead] if b != NULL_BLOCK)
-            num_missing = max(0, total - len(table))
+            num_missing = max(0, total - max(len(table), num_dead))
             needs.append(num_missing + pool.count_evictable(hit_blocks) - num_released)
         return needs
 
-    def _num_out_of_window(self, group_id: int, num_computed: int) -> int:
-        """Leading blocks no query at position >= num_computed can see."""
-        window = self.groups[group_id].sliding_window
-        if window is None:
-            return 0
-        first_visible = max(0, num_computed - window + 1)
-        return first_visible // self.block_size
+    def _num_out_of_window(self, group_id: int, first_query: int) -> int:
+        """Leading blocks no query at position >= first_query can see."""
+        return self.groups[group_id].first_kept_block(first_query, self.block_size)
 
     def _release_out_of_window(self, group_id: int, table: list[int], num_computed: int) -> None:
         num_dead = min(self._num_out_of_window(group_id, num_computed), len(table))

@@ -246,7 +246,9 @@ class Scheduler:
             self.kv_cache.adopt_block_hashes(request_id, block_hashes)
             hit = self.kv_cache.lookup_prefix(block_hashes, (num_prompt_tokens - 1) // self.kv_cache.block_size)
         num_cached = hit.num_tokens if hit is not None else 0
-        if not self.kv_cache.allocate(request_id, num_cached, num_prompt_tokens + 1 - num_cached, hit):
+        # The first query here is at the prompt's end: a sliding group reserves its window only.
+        if not self.kv_cache.allocate(request_id, num_cached, num_prompt_tokens + 1 - num_cached, hit,
+                                      first_query=num_prompt_tokens):
             self.kv_cache.free(request_id)  # the adopted hashes
             return None
         self.reserved[request_id] = num_cached

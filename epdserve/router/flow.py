@@ -260,6 +260,9 @@ class RequestFlow:
             timing.kv_bytes += msg.kv_bytes
             timing.kv_bytes_skipped += msg.kv_bytes_skipped
             self.metrics.kv_bytes.labels(msg.transport or "shm").inc(msg.kv_bytes)
+            for group, num_bytes in msg.kv_bytes_by_group.items():
+                timing.kv_bytes_by_group[group] = timing.kv_bytes_by_group.get(group, 0) + num_bytes
+                self.metrics.kv_group_bytes.labels(group).inc(num_bytes)
             self.metrics.kv_bytes_skipped.inc(msg.kv_bytes_skipped)
             self.metrics.kv_seconds.inc(max(0.0, msg.transfer_end - msg.transfer_start))
             self.metrics.kv_exposed.inc(msg.exposed_s)

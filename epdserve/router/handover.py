@@ -210,6 +210,8 @@ class DecodeHandover:
         path.decode_prompt, path.decode_params = prompt, params
         self.metrics.handovers.labels("moved").inc()
         self.metrics.kv_bytes.labels(msg.transport or "shm").inc(msg.kv_bytes)
+        for group, num_bytes in msg.kv_bytes_by_group.items():
+            self.metrics.kv_group_bytes.labels(group).inc(num_bytes)
 
     def on_target_lost(self, path: Path) -> None:
         """The worker it was moving to is gone: the source still holds it (paused)."""

@@ -25,6 +25,9 @@ class RouterMetrics:
         self.rejected = Counter("epdserve_requests_rejected_total", "Requests refused at admission", ["reason"], registry=r)
         self.kv_bytes = Counter("epdserve_kv_transfer_bytes_total", "KV bytes moved prefill -> decode, by transport "
                                 "(shm: same node, tcp: across nodes)", ["transport"], registry=r)
+        self.kv_group_bytes = Counter("epdserve_kv_transfer_group_bytes_total", "KV bytes moved prefill -> decode, "
+                                      "by KV cache group (full attention; sliding<W>: a sliding window of W "
+                                      "tokens, of which only the window's blocks move)", ["group"], registry=r)
         self.kv_bytes_skipped = Counter("epdserve_kv_transfer_skipped_bytes_total", "KV bytes not moved prefill -> "
                                         "decode: the decode worker had them in its prefix cache", registry=r)
         self.prefix_cached_tokens = Counter("epdserve_prefix_cache_hit_tokens_total", "Prompt tokens served from a "

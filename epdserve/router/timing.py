@@ -47,6 +47,7 @@ def timing_json(t: Timing) -> dict:
         "num_decode_cached_tokens": t.num_decode_cached_tokens,
         "kv_bytes": t.kv_bytes,
         "kv_bytes_skipped": t.kv_bytes_skipped,
+        "kv_bytes_by_group": dict(t.kv_bytes_by_group),
         "kv_load": msgspec.structs.asdict(t.kv_load) if t.kv_load is not None else None,
         "encode_start": t.encode_start,
         "encode_end": t.encode_end,

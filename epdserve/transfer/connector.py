@@ -22,6 +22,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from epdserve.engine.block_pool import NULL_BLOCK
 from epdserve.transfer.descriptors import KVEndpoint
 from epdserve.transfer.fence import FenceView
 from epdserve.transfer.locality import pick_transport
@@ -124,6 +125,7 @@ class TransferStats:
     blocking_s: float  # time the prefill worker's compute thread spent moving this KV
     transport: str = ""  # "shm" or "tcp" ("" when no link was open)
     kv_bytes_skipped: int = 0  # KV of the leading positions the decode worker held already
+    kv_bytes_by_group: list[int] = field(default_factory=list)  # kv_bytes per KV cache group
 
     @property
     def exposed_s(self) -> float:
@@ -154,10 +156,11 @@ class KVPusher:
         self._targets: dict[str, str] = {}  # request id -> decode worker id, while in flight
         self._started: dict[str, float] = {}
         self._blocking: dict[str, float] = {}
-        self._bytes: dict[str, int] = {}
+        self._bytes: dict[str, list[int]] = {}  # request id -> bytes pushed per group
         self._compute_end: dict[str, float] = {}
         self._skipped: dict[str, int] = {}  # request id -> positions not pushed (decode had them)
         self._finished: list[TransferStats] = []
+        self.num_groups = max(layer_to_group) + 1
         # KV bytes of one position over every layer (K and V)
         self.bytes_per_token = sum(2 * c[0, 0, 0].numel() * c.element_size() for c in kv_caches)
 
@@ -246,17 +249,17 @@ class KVPusher:
                 if not item.is_last:
                     continue
                 item.start = min(item.skip, item.end)  # bulk: the whole prompt after its last chunk
-            positions = range(item.start, item.end)
-            item.src_slots = [
-                torch.tensor([t[p // bs] * bs + p % bs for p in positions], dtype=torch.long, device=self.device)
-                for t in item.src_tables
-            ]
-            item.dst_slots = [
-                torch.tensor([t[p // bs] * bs + p % bs for p in positions], dtype=torch.long)
-                for t in item.dst_tables
-            ]
-            first, last = item.start // bs, (item.end - 1) // bs  # no block when start == end
-            item.dst_block_ids = [np.asarray(t[first : last + 1], dtype=np.int64) for t in item.dst_tables]
+            # Per group, the positions whose block the decode worker holds: a sliding group's
+            # table starts with null blocks where its window has passed (``kv_cache.py``).
+            item.src_slots, item.dst_slots, item.dst_block_ids = [], [], []
+            for src, dst in zip(item.src_tables, item.dst_tables):
+                live = next((i for i, b in enumerate(dst) if b != NULL_BLOCK), len(dst))
+                positions = range(max(item.start, live * bs), item.end)
+                item.src_slots.append(torch.tensor([src[p // bs] * bs + p % bs for p in positions], dtype=torch.long,
+                                                   device=self.device))
+                item.dst_slots.append(torch.tensor([dst[p // bs] * bs + p % bs for p in positions], dtype=torch.long))
+                first, last = positions.start // bs, (item.end - 1) // bs  # no block when the range is empty
+                item.dst_block_ids.append(np.asarray(dst[first : last + 1] if len(positions) else [], dtype=np.int64))
             self._items.append(item)
 
     def save_layer(self, layer: int) -> None:
@@ -281,7 +284,7 @@ class KVPusher:
         flat = self.kv_caches[layer].view(2, -1, *self.kv_caches[layer].shape[3:])
         for item in self._items:
             link = self.links.get(item.target)
-            if link is None or item.request_id not in self._targets or item.start >= item.end:
+            if link is None or item.request_id not in self._targets or not len(item.src_slots[group]):
                 continue
             rid = item.request_id
             start = time.time()
@@ -294,7 +297,8 @@ class KVPusher:
                 self._finish(rid, ok=False)  # the reservation ended: nothing more is written
                 continue
             self._blocking[rid] = self._blocking.get(rid, 0.0) + time.time() - start
-            self._bytes[rid] = self._bytes.get(rid, 0) + kv.numel() * kv.element_size()
+            by_group = self._bytes.setdefault(rid, [0] * self.num_groups)
+            by_group[group] += kv.numel() * kv.element_size()
 
     def poll(self) -> list[TransferStats]:
         """Transfers that completed or failed since the last poll."""
@@ -312,11 +316,12 @@ class KVPusher:
         if target is None:
             return
         now = time.time()
+        by_group = self._bytes.pop(request_id, None) or [0] * self.num_groups
         self._finished.append(
             TransferStats(
-                request_id, ok, self._bytes.pop(request_id, 0), self._started.pop(request_id, now),
+                request_id, ok, sum(by_group), self._started.pop(request_id, now),
                 now, self._compute_end.pop(request_id, now), self._blocking.pop(request_id, 0.0),
-                self.transport_of(target), self._skipped.pop(request_id, 0) * self.bytes_per_token,
+                self.transport_of(target), self._skipped.pop(request_id, 0) * self.bytes_per_token, by_group,
             )
         )
 

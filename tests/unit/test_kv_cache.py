@@ -17,7 +17,9 @@ def test_group_specs_split_by_window():
         ("full", (2, 4), None),
         ("sliding", (0, 1, 3), 8),
     ]
-    assert groups[0].is_prefix_cacheable and not groups[1].is_prefix_cacheable
+    assert groups[0].is_prefix_cacheable and groups[1].is_prefix_cacheable
+    assert [g.name for g in groups] == ["full", "sliding8"]
+    assert [groups[1].first_kept_block(q, 2) for q in (0, 8, 9, 10, 11)] == [0, 0, 1, 1, 2]
     assert groups[1].bytes_per_block(16, 2) == 3 * 2 * 16 * 2 * 4 * 2
 
 
@@ -126,15 +128,116 @@ def test_hit_on_free_cached_blocks_counts_against_capacity():
     assert kv.is_all_free()
 
 
-def test_prefix_caching_disabled_with_sliding_group():
+def test_sliding_hit_needs_only_the_window():
+    """Window 4, block size 2: a hit of n blocks needs every full block and, in the sliding
+    group, the blocks a query at 2n can see (from (2n-3)//2 on)."""
     groups = make_group_specs((4, None), num_kv_heads=1, head_dim=8)
+    full, sliding = groups[0].group_id, groups[1].group_id
     kv = KVCacheManager(groups, 32, 2, enable_prefix_caching=True)
-    assert not kv.enable_prefix_caching
-    p = list(range(10))
-    assert kv.allocate("a", 0, 10)
-    kv.cache_computed_blocks("a", p, 10)
-    assert kv.find_cached_prefix("b", p).num_tokens == 0
+    assert kv.enable_prefix_caching
+    p = list(range(100, 110))
+    for start in range(0, 10, 2):  # chunks of 2: the sliding group lets blocks 0 and 1 go
+        assert kv.allocate("a", start, 2)
+        kv.cache_computed_blocks("a", p, start + 2)
+    assert kv.block_tables("a")[sliding][:2] == [NULL_BLOCK, NULL_BLOCK]
+    kv.pools[sliding].reset_prefix_cache()  # the sliding group forgets its free blocks 0 and 1
+
+    hit = kv.find_cached_prefix("b", p)
+    assert hit.num_tokens == 8  # (10 - 1) // 2 blocks: the last token is always computed
+    assert hit.block_ids[full] == tuple(kv.block_tables("a")[full][:4])
+    assert hit.block_ids[sliding] == (NULL_BLOCK, NULL_BLOCK, *kv.block_tables("a")[sliding][2:4])
+    assert kv.allocate("b", 8, 2, hit)
+    assert kv.block_tables("b")[sliding][:4] == list(hit.block_ids[sliding])
+    assert kv.pools[sliding].ref_counts[hit.block_ids[sliding][2]] == 2
     kv.free("a")
+    kv.free("b")
+    assert kv.is_all_free()
+
+    # Without the window's blocks there is no hit, however many full blocks are cached.
+    kv.pools[sliding].reset_prefix_cache()
+    assert kv.find_cached_prefix("c", p).num_tokens == 0
+
+
+def test_reservation_takes_only_the_window_at_the_prompt_end():
+    """A decode worker's reservation for a 10-token prompt (plus the first output token)
+    queries first at position 10, which sees 7..10: the sliding group holds blocks 3.. only."""
+    groups = make_group_specs((4, None), num_kv_heads=1, head_dim=8)
+    full, sliding = groups[0].group_id, groups[1].group_id
+    kv = KVCacheManager(groups, 8, 2, enable_prefix_caching=False)  # 7 usable blocks per group
+    assert kv.can_allocate("r", 0, 11, first_query=10)
+    assert kv.allocate("r", 0, 11, first_query=10)
+    tables = kv.block_tables("r")
+    assert NULL_BLOCK not in tables[full] and len(tables[full]) == 6
+    assert tables[sliding][:3] == [NULL_BLOCK] * 3 and NULL_BLOCK not in tables[sliding][3:]
+    assert kv.pools[sliding].num_used_blocks == 3 and kv.pools[full].num_used_blocks == 6
+    # A second reservation of the same size finds 1 full block free: refused, nothing taken.
+    assert not kv.can_allocate("s", 0, 11, first_query=10)
+    assert not kv.allocate("s", 0, 11, first_query=10)
+    assert kv.pools[sliding].num_used_blocks == 3
+    for pos in range(11, 14):  # decoding on: the window moves, the full group grows
+        assert kv.allocate("r", pos, 1)
+    assert kv.block_tables("r")[sliding][:5] == [NULL_BLOCK] * 5
+    kv.free("r")
+    assert kv.is_all_free()
+
+
+def test_random_churn_with_sliding_groups_hits_only_what_every_group_holds():
+    """Random prompts, decodes and frees over a full and two sliding groups with prefix
+    caching: every hit's blocks carry the prompt's block hashes in every group (null only
+    before the window), the hit is the longest one every group can rebuild, and the pools'
+    counts stay consistent."""
+    import random
+
+    rng = random.Random(1)
+    bs = 2
+    groups = make_group_specs((3, None, 6, 3), num_kv_heads=1, head_dim=8)
+    kv = KVCacheManager(groups, 41, bs, enable_prefix_caching=True)
+    assert kv.enable_prefix_caching
+    live: dict[str, list[int]] = {}
+    num_hits = 0
+    for step in range(2000):
+        if live and (rng.random() < 0.3 or kv.num_free_blocks() < 10):
+            rid = rng.choice(sorted(live))
+            kv.free(rid)
+            del live[rid]
+        elif rng.random() < 0.5 or not live:
+            rid = f"r{step}"
+            tokens = [rng.randrange(3) for _ in range(rng.randrange(2, 24))]
+            hit = kv.find_cached_prefix(rid, tokens)
+            hashes = kv.block_hashes(rid)
+            n = hit.num_tokens // bs
+            for group, pool, ids in zip(groups, kv.pools, hit.block_ids):
+                first = group.first_kept_block(hit.num_tokens, bs)
+                assert len(ids) == n and all(b == NULL_BLOCK for b in ids[:first])
+                assert all(pool.block_hashes[b] == hashes[i] for i, b in enumerate(ids) if i >= first)
+
+            def rebuildable(m):
+                return all(pool.lookup(hashes[i]) is not None for group, pool in zip(groups, kv.pools)
+                           for i in range(group.first_kept_block(m * bs, bs), m))
+            longest = max(m for m in range(len(tokens) // bs + 1) if m * bs < len(tokens) and rebuildable(m))
+            assert n == longest
+            num_hits += n > 0
+            if kv.allocate(rid, hit.num_tokens, len(tokens) - hit.num_tokens, hit):
+                kv.cache_computed_blocks(rid, tokens, len(tokens))
+                live[rid] = tokens
+        else:
+            rid = rng.choice(sorted(live))
+            tokens = live[rid]
+            tokens.append(rng.randrange(3))
+            if kv.allocate(rid, len(tokens) - 1, 1):
+                kv.cache_computed_blocks(rid, tokens, len(tokens))
+            else:
+                tokens.pop()
+        for group_id, pool in enumerate(kv.pools):
+            held = [b for rid in live for b in kv.block_tables(rid)[group_id] if b != NULL_BLOCK]
+            free = pool.free_queue
+            assert not set(free) & set(held)
+            assert all(pool.ref_counts[b] == held.count(b) for b in set(held))
+            assert len(set(free) | set(held)) == pool.num_free_blocks + pool.num_used_blocks
+    assert num_hits > 100
+    for rid in list(live):
+        kv.free(rid)
+    assert kv.is_all_free()
 
 
 def test_sliding_window_releases_blocks_out_of_window():
