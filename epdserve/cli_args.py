@@ -21,6 +21,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks per group (overrides --kv-cache-memory)")
     g.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
     g.add_argument("--seed", type=int, default=0, help="seed of the engine's shared sampler")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="rank processes per engine, each with its shard of the weights and KV heads, pinned to "
+                        "its share of the cores (gloo on CPU, NCCL on CUDA); colocated workers and generate")
     g.add_argument("--kv-host-tier-gib", type=float, default=0.0,
                    help="KV store below the pool: host-memory tier size, shared by the workers of a host (0: none)")
     g.add_argument("--kv-disk-tier-gib", type=float, default=0.0, help="KV store below the pool: local-disk tier size (0: none)")
@@ -51,6 +54,7 @@ def engine_args_from(ns: argparse.Namespace):  # -> EngineArgs
         kv_cache_memory_gib=ns.kv_cache_memory,
         num_kv_blocks=ns.num_kv_blocks,
         enable_prefix_caching=not ns.no_prefix_caching,
+        tensor_parallel_size=ns.tensor_parallel_size,
         kv_tiers=TierOptions(ns.kv_host_tier_gib, ns.kv_disk_tier_gib, ns.kv_host_tier_dir, ns.kv_disk_tier_dir,
                              ns.kv_host_tier_read_gbps, ns.kv_disk_tier_read_gbps),
         faults=tuple(parse_fault(text) for text in ns.debug_fault),
@@ -61,7 +65,7 @@ def engine_argv(ns: argparse.Namespace) -> list[str]:
     """The engine options in ``ns`` as flags again (what ``serve`` passes on to its workers)."""
     args = ["--dtype", ns.dtype, "--device", ns.device, "--block-size", str(ns.block_size),
             "--max-num-seqs", str(ns.max_num_seqs), "--kv-cache-memory", str(ns.kv_cache_memory),
-            "--seed", str(ns.seed)]
+            "--seed", str(ns.seed), "--tensor-parallel-size", str(ns.tensor_parallel_size)]
     if ns.model is not None:
         args += ["--model", ns.model]
     for flag, value in (("--max-model-len", ns.max_model_len), ("--max-num-batched-tokens", ns.max_num_batched_tokens),

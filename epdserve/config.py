@@ -123,6 +123,7 @@ class EngineArgs:
     kv_cache_memory_gib: float = 2.0  # KV pool size across all layers and groups
     num_kv_blocks: int | None = None  # overrides kv_cache_memory_gib
     enable_prefix_caching: bool = True
+    tensor_parallel_size: int = 1  # rank processes of this engine (engine/tp.py)
     kv_tiers: TierOptions = field(default_factory=TierOptions)  # the KV store below the pool
     faults: tuple[FaultSpec, ...] = ()  # injected faults (tests; epdserve/faults.py)
     extra: dict = field(default_factory=dict)

@@ -18,13 +18,12 @@ from array import array
 from collections import OrderedDict
 from typing import TYPE_CHECKING
 
+from epdserve.transfer.descriptors import NULL_BLOCK  # re-exported: block 0 of every pool
+
 if TYPE_CHECKING:
     import random
 
 __all__ = ["HASH_BYTES", "NULL_BLOCK", "RUN_AGE_WINDOW", "BlockPool", "chain_hashes", "hash_block"]
-
-NULL_BLOCK = 0
-
 
 # struct packers for the usual block sizes: the same bytes as array("q", ids).tobytes(),
 # about 20 % faster per block (prefix hashing is a large part of a simulated step)

@@ -40,6 +40,7 @@ from epdserve.engine.reload_rule import PrefillRate
 from epdserve.engine.runner import ModelRunner, kv_cache_shapes
 from epdserve.engine.sampler import TokenLogprobs
 from epdserve.engine.scheduler import Scheduler, SchedulerOutput
+from epdserve.engine.tp import TPGroup, local_kv_heads
 from epdserve.errors import ConfigError, InvalidRequestError
 from epdserve.faults import FaultKind, FaultPlan
 from epdserve.models.loader import LoadedModel, load_model
@@ -72,10 +73,40 @@ class LLMEngine(PDRoles):
         device_name = resolve_device_name(args.device)
         dtype = getattr(torch, resolve_dtype_name(args.dtype, device_name))
         device = torch.device(device_name)
-        self.loaded = loaded or load_model(args.model, dtype, device)
+        tp_size = args.tensor_parallel_size
+        if tp_size < 1:
+            raise ConfigError(f"--tensor-parallel-size must be at least 1, got {tp_size}")
+        owns_tp = loaded is None and tp_size > 1
+        if loaded is None:
+            tp = TPGroup(args.model, str(dtype).removeprefix("torch."), device_name, tp_size) if tp_size > 1 else None
+            error = ""
+            try:
+                loaded = load_model(args.model, dtype, tp.device if tp else device, 0, tp_size)
+            except Exception as e:
+                error = f"{type(e).__name__}: {e}"
+                if tp is None:
+                    raise
+            if tp is not None:
+                tp.check_ready(error)  # raises when any rank (this one included) failed
+            loaded.tp = tp
+        elif loaded.tp_size != tp_size:
+            raise ConfigError(f"the loaded model has tensor-parallel size {loaded.tp_size}, not {tp_size}")
+        try:
+            self._build(args, loaded, kv_cache_allocator, dtype, device)
+        except BaseException:
+            if owns_tp and loaded.tp is not None:
+                loaded.tp.close()  # the ranks this engine started go with it
+            raise
+
+    def _build(self, args: EngineArgs, loaded: LoadedModel, kv_cache_allocator: KVCacheAllocator | None,
+               dtype: torch.dtype, device: torch.device) -> None:
+        tp_size = loaded.tp_size
+        self.loaded = loaded
+        device = loaded.tp.device if loaded.tp is not None else device
         spec = self.loaded.spec
         self.tokenizer = self.loaded.tokenizer
-        groups = make_group_specs(spec.sliding_windows, spec.num_kv_heads, spec.head_dim)
+        # Each rank holds its KV heads (all of them at TP 1); the block tables are shared.
+        groups = make_group_specs(spec.sliding_windows, local_kv_heads(spec.num_kv_heads, tp_size), spec.head_dim)
         dtype_bytes = torch.tensor([], dtype=dtype).element_size()
         bytes_per_block = sum(g.bytes_per_block(args.block_size, dtype_bytes) for g in groups)
         self.config: EngineConfig = args.resolve(spec.max_position_embeddings, bytes_per_block)
@@ -85,12 +116,18 @@ class LLMEngine(PDRoles):
         self.kv_cache = KVCacheManager(groups, cache.num_blocks, cache.block_size, cache.enable_prefix_caching)
         self.scheduler = Scheduler(self.config.scheduler, self.kv_cache)
         shapes = kv_cache_shapes(groups, spec.num_layers, cache.num_blocks, cache.block_size)
+        if kv_cache_allocator is not None and loaded.tp is not None:
+            raise ConfigError("KV pages another worker writes (P/D) take tensor-parallel size 1 for now: each rank "
+                              "holds its own KV heads")
         kv_caches = kv_cache_allocator(shapes, dtype) if kv_cache_allocator is not None else None
         self.runner = ModelRunner(
             self.loaded.model, groups, spec.num_layers, cache.num_blocks, cache.block_size,
             dtype, device, self.config.seed, kv_caches, self._faults,
         )
         self.runner.grammar = GrammarMasks(self.tokenizer, spec.vocab_size)
+        if loaded.tp is not None:
+            self.runner.tp = loaded.tp
+            loaded.tp.allocate_kv(shapes, dtype, self.runner.layer_to_group, cache.block_size)
         self.prefill_rate = PrefillRate()  # measured prefill seconds per prompt token
         self.bytes_per_block = bytes_per_block  # KV of one block, every layer and group
         self.kv_offload: KVOffload | None = None
@@ -113,6 +150,8 @@ class LLMEngine(PDRoles):
                               "turns it off)")
         if len(cache.groups) != 1:
             raise ConfigError("the KV tiers below the pool take models with one KV cache group")
+        if self.loaded.tp is not None:
+            raise ConfigError("the KV tiers below the pool take tensor-parallel size 1 (each rank holds its own KV heads)")
         offload = KVOffload.open(args.kv_tiers, self.loaded.spec.name, self.runner.kv_caches, cache.pools[0],
                                  cache.block_size, self.prefill_rate)
         cache.on_free = offload.on_free

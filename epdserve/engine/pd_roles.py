@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from epdserve.engine.kv_pull import PeerPuller
 from epdserve.engine.outputs import check_mm_inputs
-from epdserve.errors import InvalidRequestError
+from epdserve.errors import ConfigError, InvalidRequestError
 from epdserve.request import EventType, MMInput, Request, RequestStatus
 from epdserve.sampling import SamplingParams
 from epdserve.transfer.connector import KVPusher, PushItem, TransferStats
@@ -155,6 +155,9 @@ class PDRoles:
         ``kv_target`` to that decode worker (layer by layer, or in bulk after the step).
         With prefix caching over one KV group, a prefix the decode worker holds beyond this
         worker's pool may be copied from its pages (``kv_pull.py``)."""
+        if self.runner.tp is not None:
+            raise ConfigError("a prefill worker pushes KV at tensor-parallel size 1 for now: each rank holds its "
+                              "own KV heads")
         pusher = self.runner.attach_pusher(layerwise)
         cache = self.kv_cache
         if cache.enable_prefix_caching and len(cache.groups) == 1:

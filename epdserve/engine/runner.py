@@ -11,19 +11,23 @@ from __future__ import annotations
 import bisect
 import logging
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from epdserve.engine.failures import describe, is_fatal
+from epdserve.engine.forward import StepInputs, run_forward
 from epdserve.engine.grammar import GrammarMasks
 from epdserve.engine.kv_cache import KVCacheGroupSpec
 from epdserve.engine.sampler import FaultInjectingSampler, Sampler, SampleResult, TokenLogprobs
 from epdserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 from epdserve.faults import FaultPlan
 from epdserve.models.layers import paged_attention_cpu
-from epdserve.models.layers.attention import AttentionMetadata, GroupAttentionMetadata, forward_context
 from epdserve.request import Request
 from epdserve.transfer.connector import KVPusher, PushItem
+
+if TYPE_CHECKING:
+    from epdserve.engine.tp import TPGroup
 
 log = logging.getLogger("epdserve.engine")
 
@@ -71,6 +75,7 @@ class ModelRunner:
         self.sampler: Sampler = (Sampler(seed, device) if faults is None
                                  else FaultInjectingSampler(seed, device, faults))
         self.pusher: KVPusher | None = None  # set on a prefill worker of a P/D pair
+        self.tp: TPGroup | None = None  # tensor parallelism: the other ranks (set by the engine)
         self.grammar: GrammarMasks | None = None  # structured outputs; set by the engine
         if device.type == "cpu":
             paged_attention_cpu.is_available()  # build or load the kernel now, not in the first step
@@ -96,40 +101,57 @@ class ModelRunner:
     def execute(self, plan: SchedulerOutput) -> RunnerOutput:
         """Run the batch's forward pass and sample. An exception in the forward pass
         propagates (it belongs to the whole batch); one in sampling costs only the requests
-        whose rows raise (``RunnerOutput.failed``), unless it is fatal."""
+        whose rows raise (``RunnerOutput.failed``), unless it is fatal. With tensor
+        parallelism the step's inputs go to the other ranks first (``tp.py``)."""
         # Single-token entries first: attention runs them as one batch.
         entries = sorted(plan.scheduled, key=lambda e: e.num_new_tokens != 1)
-        num_decode = sum(1 for e in entries if e.num_new_tokens == 1)
+        requests = [e.request for e in entries if e.will_sample]
+        # Plain greedy rows need only an argmax: no float32 copy of [N, vocab] logits.
+        inputs = self._inputs(entries, bool(requests) and self.sampler.needs_float32(requests))
+        if self.tp is not None:
+            self.tp.step(inputs)
+        on_layer_written = None
+        if self.pusher is not None:
+            self.pusher.begin_step(self._push_items(entries))
+            on_layer_written = self.pusher.save_layer
+        logits = run_forward(self.model, inputs, self.kv_caches, self.layer_to_group, self.block_size, self.device,
+                             on_layer_written)
+        if self.pusher is not None:
+            self.pusher.end_step()
+        out = RunnerOutput({}, {}, len(inputs.input_ids))
+        if logits is not None:
+            self._sample(logits, requests, out)
+        return out
+
+    def _inputs(self, entries: list[ScheduledRequest], float32_logits: bool) -> StepInputs:
+        """The step's forward-pass inputs as plain lists (what every TP rank needs)."""
+        bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
+        sample_rows: list[int] = []
         for e in entries:
             input_ids += e.request.token_ids_slice(e.start_pos, e.start_pos + e.num_new_tokens)
             positions += range(e.start_pos, e.start_pos + e.num_new_tokens)
-        meta = self._metadata(entries, num_decode)
-        ids_t = torch.tensor(input_ids, dtype=torch.long, device=self.device)
-        pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
-        if self.pusher is not None:
-            self.pusher.begin_step(self._push_items(entries))
-            meta.on_layer_written = self.pusher.save_layer
-        embeds = self._input_embeds(entries, ids_t)
-        with forward_context(meta):
-            hidden = self.model(ids_t, pos_t) if embeds is None else self.model(ids_t, pos_t, input_embeds=embeds)
-        if self.pusher is not None:
-            self.pusher.end_step()
-
-        sample_rows, sample_entries, offset = [], [], 0
-        for e in entries:
-            offset += e.num_new_tokens
             if e.will_sample:
-                sample_rows.append(offset - 1)
-                sample_entries.append(e)
-        out = RunnerOutput({}, {}, len(input_ids))
-        if sample_rows:
-            requests = [e.request for e in sample_entries]
-            # Plain greedy rows need only an argmax: no float32 copy of [N, vocab] logits.
-            logits = self.model.compute_logits(hidden[sample_rows], float32=self.sampler.needs_float32(requests))
-            self._sample(logits, requests, out)
-        return out
+                sample_rows.append(len(input_ids) - 1)
+        context_lens = [e.start_pos + e.num_new_tokens for e in entries]
+        max_blocks = max(-(-n // bs) for n in context_lens)
+        slots, tables = [], []
+        for group in self.groups:
+            gid = group.group_id
+            group_slots: list[int] = []
+            group_tables = []
+            for e in entries:
+                table = e.block_tables[gid]
+                group_slots += [table[p // bs] * bs + p % bs
+                                for p in range(e.start_pos, e.start_pos + e.num_new_tokens)]
+                row = table[:max_blocks]
+                group_tables.append(row + [0] * (max_blocks - len(row)))
+            slots.append(group_slots)
+            tables.append(group_tables)
+        return StepInputs(input_ids, positions, sum(1 for e in entries if e.num_new_tokens == 1),
+                          [e.num_new_tokens for e in entries], context_lens, slots, tables, sample_rows,
+                          float32_logits, self._image_rows(entries))
 
     def _sample(self, logits: torch.Tensor, requests: list[Request], out: RunnerOutput) -> None:
         """Sample the batch at once; if that raises, each row alone, failing the rows that
@@ -170,10 +192,11 @@ class ModelRunner:
             if lp is not None:
                 out.logprobs[request.request_id] = lp
 
-    def _input_embeds(self, entries: list[ScheduledRequest], ids_t: torch.Tensor) -> torch.Tensor | None:
-        """Token embeddings with image positions taken from their encoder rows; None when the
-        step has no image token (the model embeds the ids itself)."""
-        embeds: torch.Tensor | None = None
+    @staticmethod
+    def _image_rows(entries: list[ScheduledRequest]) -> list[tuple[list[int], torch.Tensor]]:
+        """The batch rows that take an image's encoder rows instead of a token embedding,
+        with those rows; empty when the step has no image token (the model embeds the ids)."""
+        out: list[tuple[list[int], torch.Tensor]] = []
         base = 0  # batch row of the entry's first token
         for e in entries:
             start, end = e.start_pos, e.start_pos + e.num_new_tokens
@@ -191,50 +214,14 @@ class ModelRunner:
                     continue
                 if mm.embeds is None:
                     raise RuntimeError(f"image embedding of {e.request.request_id} used before it arrived")
-                if embeds is None:
-                    embeds = self.model.embed(ids_t)
-                rows = mm.embeds[first:last]
                 if positions is None:
                     dst = base + mm.offset + lo - start
-                    embeds[dst : dst + (last - first)] = rows.to(embeds.dtype)
+                    rows = list(range(dst, dst + (last - first)))
                 else:
-                    index = torch.tensor(
-                        [base + mm.offset + p - start for p in positions[first:last]], device=embeds.device
-                    )
-                    embeds.index_copy_(0, index, rows.to(device=embeds.device, dtype=embeds.dtype))
+                    rows = [base + mm.offset + p - start for p in positions[first:last]]
+                out.append((rows, mm.embeds[first:last]))
             base += e.num_new_tokens
-        return embeds
-
-    def _metadata(
-        self, entries: list[ScheduledRequest], num_decode: int
-    ) -> AttentionMetadata:
-        bs = self.block_size
-        context_lens = [e.start_pos + e.num_new_tokens for e in entries]
-        max_blocks = max(-(-n // bs) for n in context_lens)
-        groups = []
-        for group in self.groups:
-            gid = group.group_id
-            slots: list[int] = []
-            for e in entries:
-                table = e.block_tables[gid]
-                slots += [table[p // bs] * bs + p % bs for p in range(e.start_pos, e.start_pos + e.num_new_tokens)]
-            padded = [e.block_tables[gid][:max_blocks] + [0] * (max_blocks - len(e.block_tables[gid][:max_blocks])) for e in entries]
-            groups.append(
-                GroupAttentionMetadata(
-                    slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
-                    block_tables=torch.tensor(padded, dtype=torch.long, device=self.device),
-                )
-            )
-        return AttentionMetadata(
-            num_decode_seqs=num_decode,
-            query_lens=[e.num_new_tokens for e in entries],
-            context_lens=context_lens,
-            decode_context_lens=torch.tensor(context_lens[:num_decode], dtype=torch.long, device=self.device),
-            block_size=bs,
-            groups=groups,
-            layer_to_group=self.layer_to_group,
-            kv_caches=self.kv_caches,
-        )
+        return out
 
     def release(self, request_id: str, aborted: bool = False) -> None:
         """Forget a finished request; an aborted one also stops its KV transfer."""

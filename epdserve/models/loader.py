@@ -15,6 +15,7 @@ import importlib
 import importlib.util
 import re
 from dataclasses import dataclass
+from typing import Protocol
 from pathlib import Path
 
 import torch
@@ -38,6 +39,16 @@ from epdserve.models.safetensors_loader import (
 from epdserve.models.spec import ModelLoadError, ModelSpec
 from epdserve.models.tokenizer import Tokenizer, fallback_chat_template
 
+
+
+class RankGroup(Protocol):
+    """The other tensor-parallel ranks of a loaded model (``engine/tp.py`` ``TPGroup``)."""
+
+    tp_size: int
+    device: torch.device
+
+    def close(self) -> None: ...
+
 __all__ = [
     "LoadedModel",
     "ModelInfo",
@@ -59,6 +70,11 @@ class LoadedModel:
     model: nn.Module  # forward / embed / compute_logits / load_weights
     spec: ModelSpec
     tokenizer: Tokenizer
+    tp: RankGroup | None = None  # tensor parallelism: the other ranks (``model`` is rank 0's shard)
+
+    @property
+    def tp_size(self) -> int:
+        return 1 if self.tp is None else self.tp.tp_size
 
 
 def served_name(gguf_path: Path) -> str:
@@ -154,12 +170,14 @@ def load_default_tokenizer() -> Tokenizer:
     return load_model_info(None).tokenizer
 
 
-def load_model(model: str | None, dtype: torch.dtype, device: torch.device | str = "cpu") -> LoadedModel:
-    """Load ``model`` (see module docstring) with parameters of ``dtype`` on ``device``."""
+def load_model(model: str | None, dtype: torch.dtype, device: torch.device | str = "cpu", tp_rank: int = 0,
+               tp_size: int = 1) -> LoadedModel:
+    """Load ``model`` (see module docstring) with parameters of ``dtype`` on ``device``; with
+    ``tp_size`` > 1, tensor-parallel rank ``tp_rank``'s shard of every layer."""
     if not dtype.is_floating_point:
         raise ModelLoadError(f"model dtype must be a floating-point type, got {dtype}")
     model_dir, name = _locate(model)
-    return load_hf_dir(model_dir, name, dtype, torch.device(device))
+    return load_hf_dir(model_dir, name, dtype, torch.device(device), tp_rank, tp_size)
 
 
 def _read_dir(model_dir: Path, name: str) -> tuple[dict, Tokenizer, ModelBlueprint]:
@@ -176,11 +194,15 @@ def _read_dir(model_dir: Path, name: str) -> tuple[dict, Tokenizer, ModelBluepri
     return hf_config, tokenizer, build_blueprint(hf_config, name, bos_token_id, tokenizer.eos_token_ids)
 
 
-def load_hf_dir(model_dir: Path, name: str, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+def load_hf_dir(model_dir: Path, name: str, dtype: torch.dtype, device: torch.device, tp_rank: int = 0,
+                tp_size: int = 1) -> LoadedModel:
     """Load an HF-style directory (a real checkpoint or a converted GGUF)."""
     hf_config, tokenizer, blueprint = _read_dir(model_dir, name)
     files = safetensors_files(model_dir)
-    model = blueprint.create(dtype, device)
+    try:
+        model = blueprint.create(dtype, device, tp_rank, tp_size)
+    except ValueError as exc:  # a dimension that does not split over tp_size
+        raise ModelLoadError(f"{name} does not split over tensor-parallel size {tp_size}: {exc}") from None
     try:
         model.load_weights(text_weights(hf_config, iter_safetensors(files)))
     except (ValueError, RuntimeError) as exc:  # missing/unknown tensors, shape mismatches

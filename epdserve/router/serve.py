@@ -146,6 +146,14 @@ def plan_workers(ns: argparse.Namespace) -> list[str]:
         raise ConfigError("--max-images-per-request and --encode-batch-images must be at least 1")
     if ns.role_switching != "off" and colocated and (prefill or decode):
         raise ConfigError("--role-switching moves workers within one layout: P/D or colocated, not both")
+    if ns.tensor_parallel_size < 1:
+        raise ConfigError("--tensor-parallel-size must be at least 1")
+    if ns.tensor_parallel_size > 1 and (prefill or decode or encode or ns.role_switching != "off"):
+        raise ConfigError("--tensor-parallel-size > 1 serves colocated workers for now (P/D moves each rank's KV "
+                          "heads separately; not yet)")
+    if ns.tensor_parallel_size > ns.cores_per_worker:
+        raise ConfigError(f"--tensor-parallel-size {ns.tensor_parallel_size} needs --cores-per-worker >= "
+                          f"{ns.tensor_parallel_size} (a core per rank)")
     # Encode workers first: with fewer cores than workers, they share a core with decode.
     return [Role.ENCODE] * encode + [Role.PREFILL] * prefill + [Role.DECODE] * decode + [Role.COLOCATED] * colocated
 

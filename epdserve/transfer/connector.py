@@ -22,8 +22,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from epdserve.engine.block_pool import NULL_BLOCK
-from epdserve.transfer.descriptors import KVEndpoint
+from epdserve.transfer.descriptors import NULL_BLOCK, KVEndpoint
 from epdserve.transfer.fence import FenceView
 from epdserve.transfer.locality import pick_transport
 from epdserve.transfer.shm_pool import SharedKVPool

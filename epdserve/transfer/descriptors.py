@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import msgspec
 
+NULL_BLOCK = 0  # block 0 of every KV pool: never handed out, stands for a block a table does not hold
+
 
 class KVEndpoint(msgspec.Struct, omit_defaults=True):
     """How a prefill worker reaches a decode worker's KV pages (registered at start-up).

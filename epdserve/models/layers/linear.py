@@ -30,6 +30,17 @@ def divide(numerator: int, denominator: int) -> int:
     return numerator // denominator
 
 
+def kv_heads_of_rank(total_num_kv_heads: int, tp_rank: int, tp_size: int) -> tuple[int, int]:
+    """(first KV head, number of KV heads) that rank ``tp_rank`` of ``tp_size`` holds: an equal
+    share, or one head shared by ``tp_size / total_num_kv_heads`` consecutive ranks when TP
+    exceeds the KV heads. ValueError when neither divides."""
+    if tp_size >= total_num_kv_heads:
+        divide(tp_size, total_num_kv_heads)
+        return tp_rank * total_num_kv_heads // tp_size, 1
+    count = divide(total_num_kv_heads, tp_size)
+    return tp_rank * count, count
+
+
 def _new_param(
     shape: tuple[int, ...], dtype: torch.dtype | None, device: torch.device | str | None
 ) -> nn.Parameter:
@@ -159,13 +170,7 @@ class QKVParallelLinear(ColumnParallelLinear):
     ) -> None:
         self.head_dim = head_dim
         self.num_heads = divide(total_num_heads, tp_size)
-        if tp_size >= total_num_kv_heads:
-            divide(tp_size, total_num_kv_heads)
-            self.num_kv_heads = 1
-            self.kv_head_start = tp_rank * total_num_kv_heads // tp_size
-        else:
-            self.num_kv_heads = divide(total_num_kv_heads, tp_size)
-            self.kv_head_start = tp_rank * self.num_kv_heads
+        self.kv_head_start, self.num_kv_heads = kv_heads_of_rank(total_num_kv_heads, tp_rank, tp_size)
         output_size_per_rank = (self.num_heads + 2 * self.num_kv_heads) * head_dim
         _LinearBase.__init__(self, hidden_size, output_size_per_rank, bias, tp_rank, tp_size, dtype, device)
 
