@@ -186,58 +186,36 @@ def test_random_churn_with_sliding_groups_hits_only_what_every_group_holds():
     caching: every hit's blocks carry the prompt's block hashes in every group (null only
     before the window), the hit is the longest one every group can rebuild, and the pools'
     counts stay consistent."""
-    import random
-
-    rng = random.Random(1)
     bs = 2
     groups = make_group_specs((3, None, 6, 3), num_kv_heads=1, head_dim=8)
     kv = KVCacheManager(groups, 41, bs, enable_prefix_caching=True)
     assert kv.enable_prefix_caching
-    live: dict[str, list[int]] = {}
-    num_hits = 0
-    for step in range(2000):
-        if live and (rng.random() < 0.3 or kv.num_free_blocks() < 10):
-            rid = rng.choice(sorted(live))
-            kv.free(rid)
-            del live[rid]
-        elif rng.random() < 0.5 or not live:
-            rid = f"r{step}"
-            tokens = [rng.randrange(3) for _ in range(rng.randrange(2, 24))]
-            hit = kv.find_cached_prefix(rid, tokens)
-            hashes = kv.block_hashes(rid)
-            n = hit.num_tokens // bs
-            for group, pool, ids in zip(groups, kv.pools, hit.block_ids):
-                first = group.first_kept_block(hit.num_tokens, bs)
-                assert len(ids) == n and all(b == NULL_BLOCK for b in ids[:first])
-                assert all(pool.block_hashes[b] == hashes[i] for i, b in enumerate(ids) if i >= first)
+    hits = []
 
-            def rebuildable(m):
-                return all(pool.lookup(hashes[i]) is not None for group, pool in zip(groups, kv.pools)
-                           for i in range(group.first_kept_block(m * bs, bs), m))
-            longest = max(m for m in range(len(tokens) // bs + 1) if m * bs < len(tokens) and rebuildable(m))
-            assert n == longest
-            num_hits += n > 0
-            if kv.allocate(rid, hit.num_tokens, len(tokens) - hit.num_tokens, hit):
-                kv.cache_computed_blocks(rid, tokens, len(tokens))
-                live[rid] = tokens
-        else:
-            rid = rng.choice(sorted(live))
-            tokens = live[rid]
-            tokens.append(rng.randrange(3))
-            if kv.allocate(rid, len(tokens) - 1, 1):
-                kv.cache_computed_blocks(rid, tokens, len(tokens))
-            else:
-                tokens.pop()
+    def on_lookup(rid: str, tokens: list[int], hit) -> None:
+        hashes = kv.block_hashes(rid)
+        n = hit.num_tokens // bs
+        for group, pool, ids in zip(groups, kv.pools, hit.block_ids):
+            first = group.first_kept_block(hit.num_tokens, bs)
+            assert len(ids) == n and all(b == NULL_BLOCK for b in ids[:first])
+            assert all(pool.block_hashes[b] == hashes[i] for i, b in enumerate(ids) if i >= first)
+
+        def rebuildable(m: int) -> bool:
+            return all(pool.lookup(hashes[i]) is not None for group, pool in zip(groups, kv.pools)
+                       for i in range(group.first_kept_block(m * bs, bs), m))
+        assert n == max(m for m in range(len(tokens) // bs + 1) if m * bs < len(tokens) and rebuildable(m))
+        hits.append(n)
+
+    def check(live: dict[str, list[int]]) -> None:
         for group_id, pool in enumerate(kv.pools):
             held = [b for rid in live for b in kv.block_tables(rid)[group_id] if b != NULL_BLOCK]
             free = pool.free_queue
             assert not set(free) & set(held)
             assert all(pool.ref_counts[b] == held.count(b) for b in set(held))
             assert len(set(free) | set(held)) == pool.num_free_blocks + pool.num_used_blocks
-    assert num_hits > 100
-    for rid in list(live):
-        kv.free(rid)
-    assert kv.is_all_free()
+
+    churn(kv, seed=1, steps=2000, alphabet=3, max_len=24, min_free=10, on_lookup=on_lookup, check=check)
+    assert sum(n > 0 for n in hits) > 100
 
 
 def test_sliding_window_releases_blocks_out_of_window():
@@ -343,32 +321,48 @@ def test_runs_take_only_old_cached_blocks():
     pool.free([oldest, n - 2])
 
 
-def test_random_churn_keeps_the_pool_consistent():
+def churn(kv: KVCacheManager, seed: int, steps: int, alphabet: int, max_len: int, min_free: int,
+          on_lookup=None, check=None) -> None:
+    """Random prompts (a small alphabet: prefix hits), decode steps and frees; ``on_lookup(rid,
+    tokens, hit)`` sees every prefix lookup, ``check(live)`` the manager after every step.
+    Everything is freed at the end."""
     import random
 
-    rng = random.Random(0)
-    kv = full_only(num_blocks=97, block_size=4)
+    rng = random.Random(seed)
     live: dict[str, list[int]] = {}
-    for step in range(3000):
-        if live and (rng.random() < 0.3 or kv.num_free_blocks() < 8):
+    for step in range(steps):
+        if live and (rng.random() < 0.3 or kv.num_free_blocks() < min_free):
             rid = rng.choice(sorted(live))
             kv.free(rid)
             del live[rid]
         elif rng.random() < 0.5 or not live:
             rid = f"r{step}"
-            tokens = [rng.randrange(4) for _ in range(rng.randrange(2, 30))]  # small alphabet: prefix hits
+            tokens = [rng.randrange(alphabet) for _ in range(rng.randrange(2, max_len))]
             hit = kv.find_cached_prefix(rid, tokens)
+            if on_lookup is not None:
+                on_lookup(rid, tokens, hit)
             if kv.allocate(rid, hit.num_tokens, len(tokens) - hit.num_tokens, hit):
                 kv.cache_computed_blocks(rid, tokens, len(tokens))
                 live[rid] = tokens
         else:
             rid = rng.choice(sorted(live))
             tokens = live[rid]
-            tokens.append(rng.randrange(4))
+            tokens.append(rng.randrange(alphabet))
             if kv.allocate(rid, len(tokens) - 1, 1):
                 kv.cache_computed_blocks(rid, tokens, len(tokens))
             else:
                 tokens.pop()
+        if check is not None:
+            check(live)
+    for rid in list(live):
+        kv.free(rid)
+    assert kv.is_all_free()
+
+
+def test_random_churn_keeps_the_pool_consistent():
+    kv = full_only(num_blocks=97, block_size=4)
+
+    def check(live: dict[str, list[int]]) -> None:
         pool = kv.pools[0]
         held = [b for rid in live for b in kv.block_tables(rid)[0]]
         free = pool.free_queue
@@ -377,9 +371,8 @@ def test_random_churn_keeps_the_pool_consistent():
         assert all(pool.ref_counts[b] == 0 for b in free)
         assert all(pool.ref_counts[b] == held.count(b) for b in set(held))
         assert all(pool.block_hashes[b] == h for h, b in pool.cached.items())
-    for rid in list(live):
-        kv.free(rid)
-    assert kv.is_all_free()
+
+    churn(kv, seed=0, steps=3000, alphabet=4, max_len=30, min_free=8, check=check)
 
 
 def test_reset_prefix_cache_forgets_free_cached_blocks_only():
