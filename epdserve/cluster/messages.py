@@ -363,27 +363,25 @@ class Pause(Msg):
     request_id: str
 
 
-class Retarget(Msg):
+class _ToReservation(Msg):
+    """A request's KV is to go into ``target``'s reservation (its blocks and fence
+    generation), less the ``target_num_cached`` leading positions the target holds."""
+
+    request_id: str
+    target: str
+    target_block_ids: list[list[int]]
+    target_generation: int
+    target_num_cached: int = 0
+
+
+class Retarget(_ToReservation):
     """Router -> a prefill worker: a queued prompt's KV goes to ``target``'s reserved blocks
     instead of its decode worker's (which is leaving its role); ``Retargeted`` answers."""
 
-    request_id: str
-    target: str
-    target_block_ids: list[list[int]]
-    target_generation: int
-    target_num_cached: int = 0
 
-
-class HandOver(Msg):
+class HandOver(_ToReservation):
     """Router -> the decode worker a paused request is on: copy its KV into ``target``'s
-    reserved blocks (as a prefill worker pushes a prompt's; ``TransferDone`` reports the end),
-    skipping the ``target_num_cached`` leading positions the target holds."""
-
-    request_id: str
-    target: str
-    target_block_ids: list[list[int]]
-    target_generation: int
-    target_num_cached: int = 0
+    reserved blocks (as a prefill worker pushes a prompt's; ``TransferDone`` reports the end)."""
 
 
 class PeerUp(Msg):

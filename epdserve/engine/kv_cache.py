@@ -172,12 +172,20 @@ class KVCacheManager:
         the window before its end (their table starts with null blocks)."""
         if not self.enable_prefix_caching:
             return PrefixHit.empty(len(self.groups))
-        hashes = hashes[:max_blocks]
-        found = [[pool.lookup(h) for h in hashes] for pool in self.pools]
-        n = len(hashes)
-        for group, blocks in zip(self.groups, found):
+        n = min(len(hashes), max_blocks)
+        found: list[list[int | None]] = []
+        for group, pool in zip(self.groups, self.pools):  # full groups first (make_group_specs)
             if group.sliding_window is None:
-                n = next((i for i, b in enumerate(blocks[:n]) if b is None), n)
+                blocks: list[int | None] = []
+                for block_hash in hashes[:n]:  # up to the first miss: a full group needs them all
+                    block_id = pool.lookup(block_hash)
+                    if block_id is None:
+                        break
+                    blocks.append(block_id)
+                n = len(blocks)
+            else:
+                blocks = [pool.lookup(h) for h in hashes[:n]]
+            found.append(blocks)
         while n and not all(self._window_cached(g, blocks, n) for g, blocks in zip(self.groups, found)):
             n -= 1
         bs = self.block_size

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from epdserve.engine.kv_pull import PeerPuller
 from epdserve.engine.outputs import check_mm_inputs
 from epdserve.errors import ConfigError, InvalidRequestError
-from epdserve.request import EventType, MMInput, Request, RequestStatus
+from epdserve.request import EventType, MMInput, Request
 from epdserve.sampling import SamplingParams
 from epdserve.transfer.connector import KVPusher, PushItem, TransferStats
 from epdserve.transfer.descriptors import KVEndpoint
@@ -67,11 +67,7 @@ class PDRoles:
         the blocks stay held until the transfer reports done. ``kv_target_num_cached``: leading
         prompt tokens the decode worker holds already (their KV is not pushed)."""
         check_mm_inputs(mm_inputs or [], len(prompt_token_ids))
-        block_size = self.scheduler.kv_cache.block_size
-        if not (0 <= kv_target_num_cached < max(1, len(prompt_token_ids)) and kv_target_num_cached % block_size == 0):
-            raise InvalidRequestError(
-                f"kv_target_num_cached must be a multiple of {block_size} below the prompt's "
-                f"{len(prompt_token_ids)} tokens, got {kv_target_num_cached}")
+        self._check_num_cached(kv_target_num_cached, len(prompt_token_ids))
         prefill_params = replace(params, n=1, max_tokens=1, min_tokens=min(params.min_tokens, 1))
         self._add_sequence(request_id, request_id, 0, prompt_token_ids, prefill_params)
         self._children[request_id] = [request_id]
@@ -81,31 +77,33 @@ class PDRoles:
             request.is_mm_pipelined = is_mm_pipelined
             self._mm_inputs[request_id] = mm_inputs
         request.hold_kv_for_transfer = True
-        request.kv_target = kv_target
-        request.kv_target_block_ids = kv_target_block_ids
-        request.kv_target_generation = kv_target_generation
-        request.kv_target_num_cached = kv_target_num_cached
+        self._set_kv_target(request, kv_target, kv_target_block_ids, kv_target_generation, kv_target_num_cached)
+
+    def _check_num_cached(self, num_cached: int, num_prompt_tokens: int) -> None:
+        block_size = self.scheduler.kv_cache.block_size
+        if not (0 <= num_cached < max(1, num_prompt_tokens) and num_cached % block_size == 0):
+            raise InvalidRequestError(f"kv_target_num_cached must be a multiple of {block_size} below the prompt's "
+                                      f"{num_prompt_tokens} tokens, got {num_cached}")
+
+    @staticmethod
+    def _set_kv_target(request: Request, target: str, block_ids: list[list[int]], generation: int,
+                       num_cached: int) -> None:
+        request.kv_target = target
+        request.kv_target_block_ids = block_ids
+        request.kv_target_generation = generation
+        request.kv_target_num_cached = num_cached
 
     def retarget_prefill(self, request_id: str, kv_target: str, kv_target_block_ids: list[list[int]],
                          kv_target_generation: int, kv_target_num_cached: int = 0) -> bool:
         """Prefill worker: send a queued prompt's KV to another decode worker's blocks instead
         (its decode worker is leaving its role); False once any of it may have been computed or
         pushed (then it goes where it was going)."""
-        seq = self._sequences.get(request_id)
         pusher = self.runner.pusher
-        if seq is None or seq.request.status is not RequestStatus.WAITING or seq.request.num_computed_tokens:
+        if not self.scheduler.is_untouched(request_id) or (pusher is not None and pusher.is_pushing(request_id)):
             return False
-        if pusher is not None and pusher.is_pushing(request_id):
-            return False
-        block_size = self.scheduler.kv_cache.block_size
-        request = seq.request
-        if not (0 <= kv_target_num_cached < max(1, request.num_prompt_tokens) and kv_target_num_cached % block_size == 0):
-            raise InvalidRequestError(f"kv_target_num_cached must be a multiple of {block_size} below the prompt's "
-                                      f"{request.num_prompt_tokens} tokens, got {kv_target_num_cached}")
-        request.kv_target = kv_target
-        request.kv_target_block_ids = kv_target_block_ids
-        request.kv_target_generation = kv_target_generation
-        request.kv_target_num_cached = kv_target_num_cached
+        request = self.scheduler.requests[request_id]
+        self._check_num_cached(kv_target_num_cached, request.num_prompt_tokens)
+        self._set_kv_target(request, kv_target, kv_target_block_ids, kv_target_generation, kv_target_num_cached)
         return True
 
     def reserve(

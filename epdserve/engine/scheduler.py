@@ -207,15 +207,25 @@ class Scheduler:
             self.release_transfer(request_id)
         return request
 
+    def is_untouched(self, request_id: str) -> bool:
+        """Waiting with nothing computed yet: its KV may still go elsewhere (a re-pointed
+        hand-off)."""
+        request = self.requests.get(request_id)
+        return request is not None and request.status is RequestStatus.WAITING and not request.num_computed_tokens
+
+    def has_whole_kv(self, request_id: str) -> bool:
+        """Running with every token but the last sampled one computed (a request being
+        prefilled or preempted has no whole KV to hand over)."""
+        request = self.requests.get(request_id)
+        return (request is not None and request.status is RequestStatus.RUNNING and bool(request.output_token_ids)
+                and request.num_computed_tokens == request.num_tokens - 1)
+
     def hold_for_handover(self, request_id: str) -> Request | None:
         """Stop a running request between steps, keeping its blocks (``transferring``) so its
-        KV can be copied to another worker; None unless it is running with every token but the
-        last sampled one computed (a request being prefilled or preempted has no whole KV)."""
-        request = self.requests.get(request_id)
-        if (request is None or request.status is not RequestStatus.RUNNING or not request.output_token_ids
-                or request.num_computed_tokens != request.num_tokens - 1):
+        KV can be copied to another worker; None unless it ``has_whole_kv``."""
+        if not self.has_whole_kv(request_id):
             return None
-        del self.requests[request_id]
+        request = self.requests.pop(request_id)
         self.running.remove(request)
         request.status = RequestStatus.FINISHED_ABORTED
         self.transferring[request_id] = request

@@ -150,6 +150,7 @@ class Path:
     # prompt plus the tokens generated before the move, the answer's remaining length.
     decode_prompt: list[int] | None = None
     decode_params: SamplingParams | None = None
+    prompt_blocks: PromptBlocks | None = None  # P/D: the prompt's blocks by prefix-cache key
 
     @property
     def current_prompt(self) -> list[int]:
@@ -158,7 +159,6 @@ class Path:
     @property
     def current_params(self) -> SamplingParams:
         return self.decode_params if self.decode_params is not None else self.params
-    prompt_blocks: PromptBlocks | None = None  # P/D: the prompt's blocks by prefix-cache key
 
     @property
     def workers(self) -> tuple[str | None, ...]:

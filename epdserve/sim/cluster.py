@@ -16,7 +16,7 @@ A request's moments go on its ``Flight`` and its engine ``Request`` by ``EventTy
 from __future__ import annotations
 
 from epdserve.engine.step_shape import StepShape
-from epdserve.request import EventType, MMInput, Request, RequestStatus
+from epdserve.request import EventType, MMInput, Request
 from epdserve.router.admission import (
     Rejection,
     check_pending,
@@ -355,7 +355,7 @@ class ClusterSim(SimLoop):
         for request in list(source.scheduler.running):
             rid = request.request_id
             num_tokens = request.num_tokens - 1
-            if request.num_computed_tokens != num_tokens or not request.output_token_ids:
+            if not source.scheduler.has_whole_kv(rid):
                 continue
             target = self._pick("decode")
             if target is None:
@@ -374,9 +374,9 @@ class ClusterSim(SimLoop):
         for rid in list(source.scheduler.reserved):
             flight = self.flights.get(rid)
             prefill = flight.prefill if flight is not None else None
-            request = prefill.scheduler.requests.get(rid) if prefill is not None else None
-            if request is None or request.status is not RequestStatus.WAITING or request.num_computed_tokens:
+            if prefill is None or not prefill.scheduler.is_untouched(rid):
                 continue
+            request = prefill.scheduler.requests[rid]
             target = self._pick("decode")
             if target is None:
                 return
