@@ -3,12 +3,23 @@ rank processes, half the cores each, gloo all-reduces), in alternating rounds.
 
     .venv/bin/python benchmarks/tp.py [--model gemma3] [--rounds 3] [--num-prompts 16]
         [--input-len 256] [--output-len 64] [--decode-batch 1,8] [--dtype auto] [--json out.json]
+    .venv/bin/python benchmarks/tp.py --transfer [--pairs 1:1,1:2,2:1,2:2] [--transfer-tokens 2048]
+        [--kv-heads N --head-dim D --layers L] [--transports shm,tcp]
 
 Each round runs every TP size in a fresh process (a TP engine pins its ranks, which would
 change the affinity of anything else in the process): offline throughput (N prompts of random
 token ids, fixed output length, EOS ignored; total tokens/s) and the median decode step time
 at each ``--decode-batch`` (sequences of ``--input-len`` tokens, 32 steps after 4 warm-up
 steps). The ratio TP 2 / TP 1 is reported per round and as the median over rounds.
+
+``--transfer``: the P/D hand-off alone, prefill at TP a into decode at TP b, beside equal TP.
+Each rank's pages are a shared-memory pool as in a P/D worker (the model's layer shapes, or
+``--kv-heads``/``--head-dim``/``--layers``); the pusher of the prefill worker's rank 0 moves one
+prompt of ``--transfer-tokens`` positions layer by layer in chunks of 256 (``transfer/tp_plan.py``:
+straight from a rank's pages where layouts agree, through the staging buffer otherwise) into the
+decode ranks' pools (shm) or through the decode worker's TCP listener, until the transfer
+reports done. Median over repetitions and rounds; each pair's time over the equal-TP pair of
+the same prefill TP (a -> a) and over 1 -> 1.
 """
 
 from __future__ import annotations
@@ -73,6 +84,122 @@ def measure(ns: argparse.Namespace, tp: int) -> dict:
     return result
 
 
+def measure_transfer(ns: argparse.Namespace, src_tp: int, dst_tp: int, transport: str) -> dict:
+    """Seconds to push one prompt's KV from prefill TP ``src_tp`` to decode TP ``dst_tp``."""
+    import torch
+
+    from epdserve.auth import new_key
+    from epdserve.transfer.connector import KVPusher, PushItem
+    from epdserve.transfer.descriptors import KVEndpoint
+    from epdserve.transfer.fence import ReservationFence
+    from epdserve.transfer.shm_pool import SharedKVPool
+    from epdserve.transfer.tcp import TcpKVReceiver
+    from epdserve.transfer.tp_plan import kv_heads_of_rank, plan_transfer
+
+    heads, dim, layers, dtype = ns.kv_shape
+    block_size, chunk = 16, 256
+    num_blocks = ns.transfer_tokens // block_size + 2
+    key = new_key()
+
+    def pools(tp: int) -> list[SharedKVPool]:
+        local = kv_heads_of_rank(heads, 0, tp)[1]
+        made = [SharedKVPool.create(num_blocks, block_size, [(local, dim)] * layers, dtype) for _ in range(tp)]
+        for pool in made:
+            for layer in pool.layers:
+                layer.normal_()
+        return made
+
+    src, dst = pools(src_tp), pools(dst_tp)
+    fence = ReservationFence(1, num_blocks, shm=transport == "shm")
+    landed: list[str] = []
+    base = dst[0].endpoint()
+    fields = {f: getattr(base, f) for f in base.__struct_fields__}
+    fields.update(tp_size=dst_tp, total_kv_heads=heads, rank_shm_names=[p.name for p in dst[1:]], transport=transport)
+    receiver = None
+    if transport == "shm":
+        fields.update(fence_shm_name=fence.shm_name)
+    else:
+        receiver = TcpKVReceiver(dst[0].layers, landed.append, fence, [0] * layers, key,
+                                 rank_caches=[p.layers for p in dst])
+        fields.update(shm_name="", rank_shm_names=[], host=receiver.host, port=receiver.port)
+    pusher = KVPusher(src[0].layers, [0] * layers, block_size, True, rank_caches=[p.layers for p in src],
+                      total_kv_heads=heads, staging_tokens=chunk)
+    pusher.add_peer("decode", KVEndpoint(**fields), key)
+    table = list(range(1, ns.transfer_tokens // block_size + 1))
+    times = []
+    for rep in range(ns.transfer_reps + 1):  # the first is a warm-up
+        generation = fence.open([table], f"r{rep}")
+        start = time.perf_counter()
+        for first in range(0, ns.transfer_tokens, chunk):
+            end = min(first + chunk, ns.transfer_tokens)
+            pusher.begin_step([PushItem(f"r{rep}", "decode", first, end, [table], [table], end == ns.transfer_tokens,
+                                        generation)])
+            for layer in range(layers):
+                pusher.save_layer(layer)
+            pusher.end_step()
+        while not pusher.poll():
+            time.sleep(0.0005)
+        while transport == "tcp" and f"r{rep}" not in landed:
+            time.sleep(0.0005)
+        if rep:
+            times.append(time.perf_counter() - start)
+        fence.close(generation)
+    plan = plan_transfer(heads, src_tp, dst_tp)
+    pusher.close()
+    if receiver is not None:
+        receiver.close()
+    fence.close_all()
+    for pool in src + dst:
+        pool.close()
+    item = torch.tensor([], dtype=dtype).element_size()
+    num_bytes = ns.transfer_tokens * layers * 2 * plan.sent_heads() * dim * item
+    return {"seconds": statistics.median(times), "bytes": num_bytes,
+            "staged": not all(plan.is_whole(r) for r in range(dst_tp))}
+
+
+def run_transfer(ns: argparse.Namespace) -> None:
+    pairs = [tuple(int(x) for x in pair.split(":")) for pair in ns.pairs.split(",")]
+    transports = ns.transports.split(",")
+    rounds = []
+    for r in range(ns.rounds):
+        row = {}
+        for transport in transports:
+            for src_tp, dst_tp in pairs if r % 2 == 0 else reversed(pairs):  # alternate the order
+                row[f"{transport} {src_tp}->{dst_tp}"] = measure_transfer(ns, src_tp, dst_tp, transport)
+        rounds.append(row)
+        print(f"round {r + 1}: " + " | ".join(f"{k} {v['seconds'] * 1000:.1f} ms" for k, v in row.items()), flush=True)
+    summary = {}
+    for transport in transports:
+        for src_tp, dst_tp in pairs:
+            name = f"{transport} {src_tp}->{dst_tp}"
+            cell = {"ms": 1000 * statistics.median(row[name]["seconds"] for row in rounds),
+                    "MB": rounds[0][name]["bytes"] / 1e6, "staged": rounds[0][name]["staged"]}
+            cell["GB_s"] = cell["MB"] / cell["ms"]
+            for ref in (f"{transport} {src_tp}->{src_tp}", f"{transport} 1->1"):
+                if ref in rounds[0] and ref != name:
+                    cell[f"over {ref.split()[1]}"] = statistics.median(
+                        row[name]["seconds"] / row[ref]["seconds"] for row in rounds)
+            summary[name] = cell
+            print(f"{name}: {cell['ms']:.1f} ms, {cell['MB']:.1f} MB, {cell['GB_s']:.2f} GB/s"
+                  + ("" if not cell["staged"] else " (staged)")
+                  + "".join(f", {k} {v:.2f}x" for k, v in cell.items() if k.startswith("over")))
+    if ns.json:
+        ns.json.write_text(json.dumps({"args": {k: v for k, v in vars(ns).items() if k != "json"}, "rounds": rounds,
+                                       "summary": summary}, indent=1, default=str))
+
+
+def kv_shape(ns: argparse.Namespace) -> tuple:
+    """(KV heads, head dim, layers, dtype) of the model, or as the flags override them."""
+    import torch
+
+    from epdserve.config import resolve_dtype_name
+    from epdserve.models.loader import load_model_info
+
+    spec = load_model_info(ns.model).spec
+    dtype = getattr(torch, resolve_dtype_name(ns.dtype, "cpu"))
+    return (ns.kv_heads or spec.num_kv_heads, ns.head_dim or spec.head_dim, ns.layers or spec.num_layers, dtype)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="gemma3")
@@ -84,9 +211,21 @@ def main() -> None:
     parser.add_argument("--decode-batch", default="1,8")
     parser.add_argument("--tp-sizes", default="1,2")
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--transfer", action="store_true", help="time the P/D hand-off a -> b instead")
+    parser.add_argument("--pairs", default="1:1,1:2,2:1,2:2", help="prefill TP:decode TP pairs (--transfer)")
+    parser.add_argument("--transports", default="shm,tcp")
+    parser.add_argument("--transfer-tokens", type=int, default=2048)
+    parser.add_argument("--transfer-reps", type=int, default=5)
+    parser.add_argument("--kv-heads", type=int, default=None)
+    parser.add_argument("--head-dim", type=int, default=None)
+    parser.add_argument("--layers", type=int, default=None)
     parser.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
     ns = parser.parse_args()
     ns.decode_batch = [int(b) for b in ns.decode_batch.split(",")]
+    if ns.transfer:
+        ns.kv_shape = kv_shape(ns)
+        run_transfer(ns)
+        return
     if ns.child is not None:
         print(json.dumps(measure(ns, ns.child)), flush=True)
         return

@@ -23,7 +23,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0, help="seed of the engine's shared sampler")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="rank processes per engine, each with its shard of the weights and KV heads, pinned to "
-                        "its share of the cores (gloo on CPU, NCCL on CUDA); colocated workers and generate")
+                        "its share of the cores (gloo on CPU, NCCL on CUDA); serve's --prefill-tp / --decode-tp set it per role")
     g.add_argument("--kv-host-tier-gib", type=float, default=0.0,
                    help="KV store below the pool: host-memory tier size, shared by the workers of a host (0: none)")
     g.add_argument("--kv-disk-tier-gib", type=float, default=0.0, help="KV store below the pool: local-disk tier size (0: none)")

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import shutil
 import socket
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -91,3 +93,55 @@ def closed_by_peer(sock: socket.socket, timeout_s: float = 10.0) -> bool:
     except socket.timeout:
         return False
     return False
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory, smollm2_gguf) -> Path:
+    """A random Llama with 8 query and 4 KV heads (they split over TP 2 and 4), saved as a Hugging
+    Face directory with the default model's tokenizer."""
+    transformers = pytest.importorskip("transformers")
+    from epdserve.models.loader import converted_gguf_dir
+
+    model_dir = tmp_path_factory.mktemp("tiny-llama")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                                      num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=1024,
+                                      bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(model_dir)
+    tokenizer_dir = converted_gguf_dir(smollm2_gguf)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer_dir / name, model_dir / name)
+    return model_dir
+
+
+LFM2_VOCAB_SIZE = 512
+LFM2_LAYER_TYPES = ["conv", "full_attention", "conv", "conv", "full_attention", "conv"]
+
+
+@pytest.fixture(scope="session")
+def tiny_lfm2(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.nn.Module]:
+    """A tiny random LFM2 (4 short-convolution and 2 attention layers, float32) saved as a Hugging
+    Face directory with a word-level tokenizer: (directory, the transformers model)."""
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    model_dir = tmp_path_factory.mktemp("lfm2") / "tiny-lfm2"
+    torch.manual_seed(0)
+    config = transformers.Lfm2Config(
+        vocab_size=LFM2_VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=len(LFM2_LAYER_TYPES),
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, layer_types=LFM2_LAYER_TYPES,
+        conv_L_cache=3, block_multiple_of=16, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        initializer_range=0.1,  # wide enough that greedy tokens follow the context, not one token forever
+    )
+    reference = transformers.Lfm2ForCausalLM(config).to(torch.float32).eval()
+    with torch.no_grad():  # norms start at one; make them matter
+        for name, param in reference.named_parameters():
+            if "norm" in name:
+                param.normal_(1.0, 0.3)
+    reference.save_pretrained(model_dir)
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "[UNK]": 3, **{f"w{i}": i + 4 for i in range(LFM2_VOCAB_SIZE - 4)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.add_special_tokens(["<pad>", "<s>", "</s>", "[UNK]"])
+    tokenizer.save(str(model_dir / "tokenizer.json"))
+    return model_dir, reference

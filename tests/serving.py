@@ -51,6 +51,7 @@ class Server:
             live = [w for w in self.workers() if w["state"] == "ready"]
             return all(
                 w["load"]["num_used_blocks"] == 0 and w["load"]["num_reserved"] == 0
+                and w["load"].get("num_used_state_slots", 0) == 0
                 and w["load"]["num_transferring"] == 0 and w["load"]["num_requests"] == 0
                 for w in live
             )

@@ -72,6 +72,7 @@ class Load(msgspec.Struct):
     num_encoder_cache_bytes: int = 0
     # Measured prefill compute per prompt token (engine/reload_rule.py ``PrefillRate``); 0 until measured.
     prefill_s_per_token: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+    num_used_state_slots: int = 0  # a recurrent model's requests holding a state slot
 
 
 class Heartbeat(Msg):

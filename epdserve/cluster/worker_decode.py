@@ -31,7 +31,7 @@ from epdserve.models.loader import LoadedModel
 from epdserve.roles import Role
 from epdserve.transfer.fence import ReservationFence
 from epdserve.transfer.locality import this_node
-from epdserve.transfer.shm_pool import SharedKVPool
+from epdserve.transfer.shm_pool import SharedKVPool, SharedStatePool
 from epdserve.transfer.tcp import TcpKVReceiver
 
 log = logging.getLogger("epdserve.worker")
@@ -40,6 +40,7 @@ log = logging.getLogger("epdserve.worker")
 class DecodeWorker(LLMWorker):
     role = Role.DECODE
     takes_images = False  # the prefill worker took the prompt's images
+    shares_kv_pages = True
 
     def __init__(self, opts: WorkerOptions, engine_args: EngineArgs, loaded: LoadedModel | None = None,
                  num_switches: int = 0) -> None:
@@ -48,6 +49,7 @@ class DecodeWorker(LLMWorker):
             log.info("KV pages on %s: prefill workers write them over tcp", engine_args.device)
             opts = replace(opts, kv_transport="tcp")
         self.pool: SharedKVPool | None = None
+        self.state_pool: SharedStatePool | None = None  # a recurrent model's state slots
         self.receiver: TcpKVReceiver | None = None
         self._landed: set[str] = set()  # tcp: requests whose KV end marker arrived
         self._landed_lock = threading.Lock()
@@ -59,12 +61,22 @@ class DecodeWorker(LLMWorker):
         self._reservations: dict[str, tuple[int, float]] = {}
         super().__init__(opts, engine_args, loaded, num_switches)
         caches = self.engine.kv_caches
-        self.fence = ReservationFence(self.engine.num_kv_groups, caches[0].shape[1], shm=self.pool is not None)
+        # The fence guards blocks and, of a state group, slots (ids of either kind).
+        num_ids = max(caches[0].shape[1], self.engine.kv_cache.num_state_slots)
+        self.fence = ReservationFence(self.engine.num_kv_groups, num_ids, shm=self.pool is not None)
         self.endpoint = self._kv_endpoint()
 
     # -- set-up --------------------------------------------------------------------------
     def _kv_cache_allocator(self) -> KVCacheAllocator | None:
         return self._shm_allocator if self.opts.kv_transport in ("shm", "auto") else None
+
+    def _state_cache_allocator(self) -> KVCacheAllocator | None:
+        return self._shm_state_allocator if self.opts.kv_transport in ("shm", "auto") else None
+
+    def _shm_state_allocator(self, shapes: list[tuple[int, ...]], dtype: torch.dtype) -> list[torch.Tensor]:
+        num_slots = max(s[0] for s in shapes)
+        self.state_pool = SharedStatePool.create(num_slots, [tuple(s[1:]) if s[0] else () for s in shapes], dtype)
+        return self.state_pool.layers
 
     def _shm_allocator(self, shapes: list[tuple[int, ...]], dtype: torch.dtype) -> list[torch.Tensor]:
         num_blocks, block_size = shapes[0][1], shapes[0][2]
@@ -80,12 +92,22 @@ class DecodeWorker(LLMWorker):
                 transport="tcp", num_blocks=caches[0].shape[1], block_size=caches[0].shape[2],
                 dtype=str(caches[0].dtype).removeprefix("torch."), layer_shapes=[tuple(c.shape[3:]) for c in caches],
             )
+        engine = self.engine
         endpoint = msgspec.structs.replace(endpoint, transport=self.opts.kv_transport, node=this_node(),
-                                           num_groups=self.fence.num_groups)
+                                           num_groups=self.fence.num_groups, tp_size=engine.tp_size,
+                                           total_kv_heads=engine.loaded.spec.num_kv_heads,
+                                           rank_shm_names=[pool.name for pool in engine.rank_pools])
+        states = engine.state_caches
+        if states is not None:
+            endpoint = msgspec.structs.replace(
+                endpoint, num_state_slots=engine.kv_cache.num_state_slots,
+                state_shapes=[list(s.shape[1:]) if s.numel() else [] for s in states],
+                state_shm_name=self.state_pool.name if self.state_pool is not None else "")
         if self.opts.kv_transport == "shm":
             return endpoint
-        self.receiver = TcpKVReceiver(caches, self._on_landed, self.fence, list(self.engine.kv_layer_to_group),
-                                      self.key, self.opts.kv_host, self._on_refused)
+        self.receiver = TcpKVReceiver(caches, self._on_landed, self.fence, list(engine.kv_layer_to_group),
+                                      self.key, self.opts.kv_host, self._on_refused, engine.rank_kv_caches,
+                                      list(states) if states is not None else None)
         return msgspec.structs.replace(endpoint, host=self.receiver.host, port=self.receiver.port)
 
     def _on_landed(self, request_id: str) -> None:
@@ -156,9 +178,11 @@ class DecodeWorker(LLMWorker):
             self._send(m.Reserved(msg.request_id, False, reason=(
                 f"block_hashes must be at most one {HASH_BYTES}-byte key per full block of the prompt")))
             return
+        has_seat = self.engine.scheduler.can_reserve()
         block_ids = self.engine.reserve(msg.request_id, msg.num_prompt_tokens, msg.block_hashes)
         if block_ids is None:
-            self._send(m.Reserved(msg.request_id, False, reason="no free KV blocks"))
+            reason = "no free KV blocks" if has_seat else "every sequence seat (--max-num-seqs) is taken"
+            self._send(m.Reserved(msg.request_id, False, reason=reason))
             return
         num_cached = self.engine.num_reserved_cached(msg.request_id)
         tables = [list(b) for b in block_ids]
@@ -257,5 +281,8 @@ class DecodeWorker(LLMWorker):
             self.engine.release_kv_pages()
             self.pool.close()
             self.pool = None
+        if self.state_pool is not None:
+            self.state_pool.close()
+            self.state_pool = None
         self.fence.close_all()
         super()._release()

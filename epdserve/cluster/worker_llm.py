@@ -73,6 +73,7 @@ class LLMWorker(WorkerBase):
 
     takes_images = True  # a consumer of image embeddings (with --vision)
     outputs_end_at_first_token = False  # prefill: a request's last output here carries its first token
+    shares_kv_pages = False  # P/D: at tensor parallelism every rank's pages are shared with rank 0
     endpoint: m.KVEndpoint | None = None  # decode: where prefill workers write its KV pages
 
     def __init__(self, opts: WorkerOptions, engine_args: EngineArgs, loaded: LoadedModel | None = None,
@@ -83,7 +84,9 @@ class LLMWorker(WorkerBase):
         self.opts = opts
         self.engine_args = engine_args
         self.num_switches = num_switches
-        self.engine = LLMEngine(engine_args, loaded, kv_cache_allocator=self._kv_cache_allocator())
+        self.engine = LLMEngine(engine_args, loaded, kv_cache_allocator=self._kv_cache_allocator(),
+                                share_rank_pages=self.shares_kv_pages,
+                                state_cache_allocator=self._state_cache_allocator())
         self.engine.record_kv_events()  # the router's prefix index follows this pool
         self._step_trace = (StepTrace(opts.step_trace_dir, opts.worker_id, opts.role, torch.get_num_threads(),
                                       num_switches)
@@ -95,6 +98,9 @@ class LLMWorker(WorkerBase):
             image_opts = ImageOptions(opts.vision, opts.embed_slab_mb, opts.embed_transport, opts.kv_host,
                                       opts.max_batch_images, opts.encoder_cache_mb, opts.cluster_key)
             self.images = ConsumerImages(image_opts, self.engine, engine_args.model, engine_args.seed, self._wake)
+
+    def _state_cache_allocator(self) -> KVCacheAllocator | None:
+        """Where a recurrent model's state tensors go (None: the engine allocates them)."""
 
     def _kv_cache_allocator(self) -> KVCacheAllocator | None:
         """Where the engine's KV pages go (None: the engine allocates them)."""
@@ -127,6 +133,7 @@ class LLMWorker(WorkerBase):
             num_running=load.num_running, num_waiting=load.num_waiting, num_free_blocks=load.num_free_blocks,
             num_used_blocks=load.num_used_blocks, num_reserved=load.num_reserved,
             num_transferring=load.num_transferring, prefill_s_per_token=self.engine.prefill_rate.per_token_s,
+            num_used_state_slots=load.num_used_state_slots,
             **self._transfer_load(),
         )
 

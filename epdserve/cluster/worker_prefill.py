@@ -25,6 +25,7 @@ log = logging.getLogger("epdserve.worker")
 class PrefillWorker(LLMWorker):
     role = Role.PREFILL
     outputs_end_at_first_token = True
+    shares_kv_pages = True
 
     def __init__(self, opts: WorkerOptions, engine_args: EngineArgs, loaded: LoadedModel | None = None,
                  num_switches: int = 0) -> None:

@@ -1,4 +1,5 @@
-"""One pool of paged KV blocks: reference counts, free queues, prefix-cache hashes.
+"""One pool of paged KV blocks: reference counts, free queues, prefix-cache hashes; and the
+pool of per-request state slots of a recurrent-state group (``SlotPool``).
 
 Plain Python (ints and lists, no torch): the simulator drives this same code.
 
@@ -23,7 +24,7 @@ from epdserve.transfer.descriptors import NULL_BLOCK  # re-exported: block 0 of 
 if TYPE_CHECKING:
     import random
 
-__all__ = ["HASH_BYTES", "NULL_BLOCK", "RUN_AGE_WINDOW", "BlockPool", "chain_hashes", "hash_block"]
+__all__ = ["HASH_BYTES", "NULL_BLOCK", "RUN_AGE_WINDOW", "BlockPool", "SlotPool", "chain_hashes", "hash_block"]
 
 # struct packers for the usual block sizes: the same bytes as array("q", ids).tobytes(),
 # about 20 % faster per block (prefix hashing is a large part of a simulated step)
@@ -232,3 +233,38 @@ class BlockPool:
             if self.events is not None:
                 self.events.append((False, block_hash))
 
+
+
+class SlotPool:
+    """The state slots of one recurrent-state group: one per request, not per token.
+
+    Slot ids are 0 .. num_slots - 1 and index the runner's state tensors directly; there is no
+    null slot (a request's state table always holds one real slot). No sharing, no caching:
+    a slot is used by one request or free. The most recently freed slot is handed out first."""
+
+    def __init__(self, num_slots: int) -> None:
+        if num_slots < 1:
+            raise ValueError(f"a slot pool needs at least 1 slot, got {num_slots}")
+        self.num_slots = num_slots
+        self._free = list(range(num_slots - 1, -1, -1))  # a stack: slot 0 on top
+        self._is_used = [False] * num_slots
+
+    @property
+    def num_free_slots(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used_slots(self) -> int:
+        return self.num_slots - len(self._free)
+
+    def allocate(self) -> int:
+        if not self._free:
+            raise RuntimeError(f"all {self.num_slots} state slots are in use")
+        slot_id = self._free.pop()
+        self._is_used[slot_id] = True
+        return slot_id
+
+    def free(self, slot_id: int) -> None:
+        assert self._is_used[slot_id], f"state slot {slot_id} freed twice"
+        self._is_used[slot_id] = False
+        self._free.append(slot_id)

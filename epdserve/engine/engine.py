@@ -37,7 +37,7 @@ from epdserve.engine.outputs import (
 )
 from epdserve.engine.pd_roles import PDRoles
 from epdserve.engine.reload_rule import PrefillRate
-from epdserve.engine.runner import ModelRunner, kv_cache_shapes
+from epdserve.engine.runner import ModelRunner, kv_cache_shapes, state_cache_shapes
 from epdserve.engine.sampler import TokenLogprobs
 from epdserve.engine.scheduler import Scheduler, SchedulerOutput
 from epdserve.engine.tp import TPGroup, local_kv_heads
@@ -47,6 +47,7 @@ from epdserve.models.loader import LoadedModel, load_model
 from epdserve.request import EventType, MMInput, Request, RequestStatus
 from epdserve.sampling import SamplingParams
 from epdserve.transfer.connector import KVPusher, TransferStats
+from epdserve.transfer.shm_pool import SharedKVPool
 from epdserve.validate import RequestLimits, check_prompt_ids
 
 KVCacheAllocator = Callable[[list[tuple[int, ...]], torch.dtype], list[torch.Tensor]]
@@ -61,14 +62,27 @@ class _Sequence:
     detokenizer: IncrementalDetokenizer
 
 
+def _check_recurrent_state(architecture: str, tp_size: int) -> None:
+    """A model with recurrent state runs at tensor-parallel size 1 for now."""
+    if tp_size > 1:
+        raise ConfigError(f"{architecture} keeps a recurrent state per request, and tensor-parallel ranks hold no "
+                          "state slots yet (its layers shard the conv channels, the ranks would need their share of "
+                          "the state): use --tensor-parallel-size 1")
+
+
 class LLMEngine(PDRoles):
     def __init__(
         self,
         args: EngineArgs,
         loaded: LoadedModel | None = None,
         kv_cache_allocator: KVCacheAllocator | None = None,
+        share_rank_pages: bool = False,
+        state_cache_allocator: KVCacheAllocator | None = None,
     ) -> None:
-        """``kv_cache_allocator(shapes, dtype)`` places the KV pages (e.g. in shared memory)."""
+        """``kv_cache_allocator(shapes, dtype)`` places the KV pages (e.g. in shared memory).
+        ``share_rank_pages``: at tensor parallelism, the other ranks' pages are shared memory
+        this process owns and reads (``rank_kv_caches``: what a P/D worker pushes and lands).
+        ``state_cache_allocator(shapes, dtype)`` places a recurrent model's state tensors."""
         keep_freed_memory()  # the process's freed activations stay for the next step
         device_name = resolve_device_name(args.device)
         dtype = getattr(torch, resolve_dtype_name(args.dtype, device_name))
@@ -92,42 +106,62 @@ class LLMEngine(PDRoles):
         elif loaded.tp_size != tp_size:
             raise ConfigError(f"the loaded model has tensor-parallel size {loaded.tp_size}, not {tp_size}")
         try:
-            self._build(args, loaded, kv_cache_allocator, dtype, device)
+            self._build(args, loaded, kv_cache_allocator, dtype, device, share_rank_pages, state_cache_allocator)
         except BaseException:
             if owns_tp and loaded.tp is not None:
                 loaded.tp.close()  # the ranks this engine started go with it
             raise
 
     def _build(self, args: EngineArgs, loaded: LoadedModel, kv_cache_allocator: KVCacheAllocator | None,
-               dtype: torch.dtype, device: torch.device) -> None:
+               dtype: torch.dtype, device: torch.device, share_rank_pages: bool = False,
+               state_cache_allocator: KVCacheAllocator | None = None) -> None:
         tp_size = loaded.tp_size
         self.loaded = loaded
         device = loaded.tp.device if loaded.tp is not None else device
         spec = self.loaded.spec
         self.tokenizer = self.loaded.tokenizer
+        if spec.has_recurrent_state:
+            _check_recurrent_state(spec.architecture, tp_size)
         # Each rank holds its KV heads (all of them at TP 1); the block tables are shared.
-        groups = make_group_specs(spec.sliding_windows, local_kv_heads(spec.num_kv_heads, tp_size), spec.head_dim)
+        groups = make_group_specs(spec.sliding_windows, local_kv_heads(spec.num_kv_heads, tp_size), spec.head_dim,
+                                  spec.state_shapes)
         dtype_bytes = torch.tensor([], dtype=dtype).element_size()
         bytes_per_block = sum(g.bytes_per_block(args.block_size, dtype_bytes) for g in groups)
         self.config: EngineConfig = args.resolve(spec.max_position_embeddings, bytes_per_block)
         cache = self.config.cache
         self._faults = FaultPlan.from_specs(args.faults)  # None without injected faults
         self._hung_ids: set[str] = set()  # sequences a hang-step fault has already delayed
-        self.kv_cache = KVCacheManager(groups, cache.num_blocks, cache.block_size, cache.enable_prefix_caching)
+        # A state group (recurrent layers) has one slot per request the scheduler may run at once.
+        num_state_slots = self.config.scheduler.max_num_seqs if spec.has_recurrent_state else 0
+        self.kv_cache = KVCacheManager(groups, cache.num_blocks, cache.block_size, cache.enable_prefix_caching,
+                                       num_state_slots=num_state_slots)
+        if cache.enable_prefix_caching and self.kv_cache.prefix_caching_off_reason is not None:
+            log.info("prefix caching is off for %s: %s", spec.name, self.kv_cache.prefix_caching_off_reason)
         self.scheduler = Scheduler(self.config.scheduler, self.kv_cache)
         shapes = kv_cache_shapes(groups, spec.num_layers, cache.num_blocks, cache.block_size)
-        if kv_cache_allocator is not None and loaded.tp is not None:
-            raise ConfigError("KV pages another worker writes (P/D) take tensor-parallel size 1 for now: each rank "
-                              "holds its own KV heads")
         kv_caches = kv_cache_allocator(shapes, dtype) if kv_cache_allocator is not None else None
+        state_caches = None
+        if state_cache_allocator is not None and num_state_slots:
+            state_caches = state_cache_allocator(state_cache_shapes(groups, spec.num_layers, num_state_slots), dtype)
         self.runner = ModelRunner(
             self.loaded.model, groups, spec.num_layers, cache.num_blocks, cache.block_size,
-            dtype, device, self.config.seed, kv_caches, self._faults,
+            dtype, device, self.config.seed, kv_caches, self._faults, num_state_slots, state_caches,
         )
         self.runner.grammar = GrammarMasks(self.tokenizer, spec.vocab_size)
+        self.rank_pools: list[SharedKVPool] = []  # share_rank_pages: ranks 1..N-1's pages
         if loaded.tp is not None:
             self.runner.tp = loaded.tp
-            loaded.tp.allocate_kv(shapes, dtype, self.runner.layer_to_group, cache.block_size)
+            if share_rank_pages:
+                if device.type != "cpu":
+                    raise ConfigError("P/D at tensor-parallel size > 1 keeps every rank's KV pages in host memory "
+                                      "(shared with rank 0); on an accelerator it is not supported yet")
+                layer_shapes = [tuple(s[3:]) for s in shapes]
+                self.rank_pools = [SharedKVPool.create(cache.num_blocks, cache.block_size, layer_shapes, dtype,
+                                                       "epdserve-kv-rank") for _ in range(tp_size - 1)]
+                loaded.tp.attach_kv([p.name for p in self.rank_pools], shapes, dtype, self.runner.layer_to_group,
+                                    cache.block_size)
+            else:
+                loaded.tp.allocate_kv(shapes, dtype, self.runner.layer_to_group, cache.block_size)
         self.prefill_rate = PrefillRate()  # measured prefill seconds per prompt token
         self.bytes_per_block = bytes_per_block  # KV of one block, every layer and group
         self.kv_offload: KVOffload | None = None
@@ -172,6 +206,23 @@ class LLMEngine(PDRoles):
         if self.handover_pusher is not None:
             self.handover_pusher.close()
             self.handover_pusher = None
+        for pool in self.rank_pools:
+            pool.close()  # unlinked; the ranks' mappings go with them
+        self.rank_pools = []
+
+    @property
+    def tp_size(self) -> int:
+        return self.loaded.tp_size
+
+    @property
+    def num_model_kv_heads(self) -> int:
+        """The model's KV heads over all ranks."""
+        return self.loaded.spec.num_kv_heads
+
+    @property
+    def rank_kv_caches(self) -> list[list[torch.Tensor]]:
+        """Every tensor-parallel rank's pages, rank 0's first (``share_rank_pages``)."""
+        return [self.runner.kv_caches, *(pool.layers for pool in self.rank_pools)]
 
     @property
     def max_model_len(self) -> int:
@@ -311,8 +362,10 @@ class LLMEngine(PDRoles):
     def load(self) -> EngineLoad:
         """Queue lengths and KV block use, as a worker reports its load."""
         sched, cache = self.scheduler, self.kv_cache
+        free_slots = cache.num_free_slots()
         return EngineLoad(len(sched.running), len(sched.waiting), len(sched.reserved), len(sched.transferring),
-                          cache.num_free_blocks(), cache.num_used_blocks())
+                          cache.num_free_blocks(), cache.num_used_blocks(),
+                          0 if free_slots is None else cache.num_state_slots - free_slots)
 
     # -- KV pages ------------------------------------------------------------------------
     @property
@@ -327,6 +380,12 @@ class LLMEngine(PDRoles):
     def kv_caches(self) -> Sequence[torch.Tensor]:
         """The KV pages, one tensor per layer (see runner.py); the sequence is read-only."""
         return tuple(self.runner.kv_caches)
+
+    @property
+    def state_caches(self) -> Sequence[torch.Tensor] | None:
+        """A recurrent model's state tensors, one per layer (``[num_slots, *state_shape]``,
+        empty for an attention layer); None for a model without state."""
+        return None if self.runner.state_caches is None else tuple(self.runner.state_caches)
 
     @property
     def kv_layer_to_group(self) -> Sequence[int]:

@@ -23,41 +23,64 @@ Prefix caching: a full block is named by a chained hash of its tokens and its pa
 A hit of n blocks counts where every group can rebuild the state for a query at n * block_size
 (as vLLM's hybrid allocator): a full group needs all n blocks, a sliding group only the blocks
 in the window before that point; the rest of its table is null blocks. A group kind with state
-that cannot be rebuilt from cached blocks (recurrent state) would switch prefix caching off.
+that cannot be rebuilt from cached blocks (recurrent state) switches prefix caching off.
+
+Recurrent state (kind ``"state"``): layers without KV (LFM2's short convolutions) keep a
+fixed-size state per request instead of KV per token. Their group has no blocks: a pool of
+slots (``block_pool.SlotPool``), one slot per request, taken with the request's first blocks
+and kept across chunked-prefill and decode steps until ``free`` (finish, abort, preemption,
+failure). The group's "block table" holds just that slot id; the runner's state tensors
+(``[num_slots, *state_shape]`` per layer) are indexed by it, so one request's state is one
+row per layer, and copying it elsewhere is a copy of those rows by slot id. State groups come
+after the paged groups (``make_group_specs``), so ``pools[g]`` is paged group g's pool.
+
+Prefix caching is off for such models: the state at a block boundary is not kept, so a
+request cannot resume after a cached attention prefix (``prefix_caching_off_reason``).
+A slot is not zeroed here: the forward pass clears it when its request's first chunk runs.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from math import prod
 from typing import TYPE_CHECKING
 
-from epdserve.engine.block_pool import NULL_BLOCK, RUN_AGE_WINDOW, BlockPool, chain_hashes, hash_block
+from epdserve.engine.block_pool import NULL_BLOCK, RUN_AGE_WINDOW, BlockPool, SlotPool, chain_hashes, hash_block
 from epdserve.engine.reload_rule import max_cached_blocks
 
 if TYPE_CHECKING:
     import random
 
+# The pool-level names are re-exported from block_pool.
 __all__ = ["NULL_BLOCK", "RUN_AGE_WINDOW", "BlockPool", "KVCacheGroupSpec", "KVCacheManager", "PrefixHit",
-           "chain_hashes", "hash_block", "make_group_specs"]  # the pool-level names are re-exported from block_pool
+           "SlotPool", "chain_hashes", "hash_block", "make_group_specs"]
 
 
 @dataclass(frozen=True)
 class KVCacheGroupSpec:
     group_id: int
-    kind: str  # "full" | "sliding"
+    kind: str  # "full" | "sliding" | "state"
     layer_ids: tuple[int, ...]
-    num_kv_heads: int
-    head_dim: int
+    num_kv_heads: int  # 0 for a state group
+    head_dim: int  # 0 for a state group
     sliding_window: int | None = None  # tokens; a query at p sees p-W+1 .. p
+    state_shape: tuple[int, ...] = ()  # a state group: one request's state in one layer
 
     @property
     def is_prefix_cacheable(self) -> bool:
         return self.kind in ("full", "sliding")
 
     @property
+    def is_paged(self) -> bool:
+        """KV per token in blocks (full, sliding); False for a state group's per-request slots."""
+        return self.kind != "state"
+
+    @property
     def name(self) -> str:
-        """``full`` or ``sliding<W>``: the group in timings and metrics."""
+        """``full``, ``sliding<W>`` or ``state``: the group in timings and metrics."""
+        if self.kind == "state":
+            return "state"
         return "full" if self.sliding_window is None else f"sliding{self.sliding_window}"
 
     def first_kept_block(self, first_query: int, block_size: int) -> int:
@@ -67,22 +90,39 @@ class KVCacheGroupSpec:
         return max(0, first_query - self.sliding_window + 1) // block_size
 
     def bytes_per_block(self, block_size: int, dtype_bytes: int) -> int:
-        """K and V of every layer of the group for one block."""
+        """K and V of every layer of the group for one block (0 for a state group)."""
+        if not self.is_paged:
+            return 0
         per_layer = 2 * block_size * self.num_kv_heads * self.head_dim * dtype_bytes
         return per_layer * len(self.layer_ids)
 
+    def bytes_per_slot(self, dtype_bytes: int) -> int:
+        """One request's state in every layer of a state group (0 for a paged group)."""
+        if self.is_paged:
+            return 0
+        return prod(self.state_shape) * dtype_bytes * len(self.layer_ids)
+
 
 def make_group_specs(
-    sliding_windows: tuple[int | None, ...], num_kv_heads: int, head_dim: int
+    sliding_windows: tuple[int | None, ...], num_kv_heads: int, head_dim: int,
+    state_shapes: tuple[tuple[int, ...] | None, ...] = (),
 ) -> list[KVCacheGroupSpec]:
-    """Group layers by attention kind: full attention first, then one group per window."""
-    windows = sorted({w for w in sliding_windows if w is not None})
-    kinds: list[int | None] = ([None] if None in sliding_windows else []) + windows
+    """Group layers by kind: full attention first, then one group per window, then one state
+    group per state shape (``state_shapes[i]``: layer i's per-request state, None for an
+    attention layer; empty: every layer attends)."""
+    has_state = [bool(state_shapes) and state_shapes[i] is not None for i in range(len(sliding_windows))]
+    attending = [w for w, stateful in zip(sliding_windows, has_state) if not stateful]
+    windows = sorted({w for w in attending if w is not None})
+    kinds: list[int | None] = ([None] if None in attending else []) + windows
     specs = []
     for group_id, window in enumerate(kinds):
-        layer_ids = tuple(i for i, w in enumerate(sliding_windows) if w == window)
+        layer_ids = tuple(i for i, w in enumerate(sliding_windows) if w == window and not has_state[i])
         kind = "full" if window is None else "sliding"
         specs.append(KVCacheGroupSpec(group_id, kind, layer_ids, num_kv_heads, head_dim, window))
+    shapes = list(dict.fromkeys(tuple(s) for s, stateful in zip(state_shapes, has_state) if stateful))
+    for shape in shapes:
+        layer_ids = tuple(i for i, stateful in enumerate(has_state) if stateful and tuple(state_shapes[i]) == shape)
+        specs.append(KVCacheGroupSpec(len(specs), "state", layer_ids, 0, 0, None, shape))
     return specs
 
 
@@ -116,15 +156,33 @@ class KVCacheManager:
         block_size: int,
         enable_prefix_caching: bool = True,
         keep_runs: bool = True,
+        *,
+        num_state_slots: int = 0,
     ) -> None:
-        """``keep_runs``: hand out blocks in runs of consecutive ids (``BlockPool.allocate``)."""
+        """``keep_runs``: hand out blocks in runs of consecutive ids (``BlockPool.allocate``).
+        ``num_state_slots``: slots of each state group (requests that can hold state at once)."""
+        paged = [g for g in groups if g.is_paged]
+        if groups[: len(paged)] != paged or [g.group_id for g in groups] != list(range(len(groups))):
+            raise ValueError("KV cache groups are numbered in order, paged groups before state groups")
+        if len(paged) < len(groups) and num_state_slots < 1:
+            raise ValueError(f"a model with recurrent state needs state slots, got {num_state_slots}")
         self.groups = groups
         self.block_size = block_size
         self.num_blocks = num_blocks
+        # Why prefix caching is off whatever was asked (None: the model allows it).
+        self.prefix_caching_off_reason: str | None = None
+        if len(paged) < len(groups):
+            layer_ids = sorted(i for g in groups if not g.is_paged for i in g.layer_ids)
+            self.prefix_caching_off_reason = (
+                f"layers {layer_ids} keep a recurrent state per request, not per block: the state at the end of a "
+                "cached prefix is not kept, so a request cannot resume after it")
         self.enable_prefix_caching = enable_prefix_caching and all(
             g.is_prefix_cacheable for g in groups
         )
-        self.pools = [BlockPool(num_blocks, self.enable_prefix_caching, keep_runs) for _ in groups]
+        # One block pool per paged group (by group id), one slot pool per state group after them.
+        self.pools = [BlockPool(num_blocks, self.enable_prefix_caching, keep_runs) for _ in paged]
+        self.slot_pools = [SlotPool(num_state_slots) for _ in groups[len(paged):]]
+        self.num_state_slots = num_state_slots if self.slot_pools else 0
         self._has_windows = any(g.sliding_window is not None for g in groups)
         self._requests: dict[str, _RequestBlocks] = {}
         # Block hashes computed by find_cached_prefix for a request that holds no blocks yet;
@@ -148,12 +206,17 @@ class KVCacheManager:
     def usage(self) -> float:
         return self.num_used_blocks() / (self.num_blocks - 1)
 
+    def num_free_slots(self) -> int | None:
+        """Free state slots of the scarcest state group; None without state groups."""
+        return min((pool.num_free_slots for pool in self.slot_pools), default=None)
+
     def is_all_free(self) -> bool:
-        """No request holds a block and every reference count is zero (a leak check)."""
+        """No request holds a block or a state slot and every reference count is zero (a leak
+        check)."""
         return not self._requests and all(
             pool.num_free_blocks == pool.num_blocks - 1 and not any(pool.ref_counts)
             for pool in self.pools
-        )
+        ) and all(pool.num_free_slots == pool.num_slots for pool in self.slot_pools)
 
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -243,6 +306,10 @@ class KVCacheManager:
         self, request_id: str, num_computed: int, num_new_tokens: int, hit: PrefixHit | None = None,
         first_query: int | None = None,
     ) -> bool:
+        """Whether ``allocate`` would succeed: enough free blocks in every pool and, for a
+        request without its state slots yet, a free slot in every state group."""
+        if self.slot_pools and request_id not in self._requests and not all(p.num_free_slots for p in self.slot_pools):
+            return False
         return all(
             need <= pool.num_free_blocks
             for need, pool in zip(self._blocks_needed(request_id, num_computed, num_new_tokens, hit, first_query),
@@ -259,7 +326,8 @@ class KVCacheManager:
         applied now. ``first_query``: the first position this worker computes a query for
         (default ``num_computed``); a reservation whose KV another worker writes queries first
         at the prompt's end, and a sliding group then takes only the blocks in the window
-        there. Returns False and changes nothing when a pool is short of blocks.
+        there. A request's first allocation also takes one slot in each state group. Returns
+        False and changes nothing when a pool is short of blocks or slots.
         """
         if first_query is None:
             first_query = num_computed
@@ -285,6 +353,10 @@ class KVCacheManager:
             num_missing = self.num_blocks_for(num_computed + num_new_tokens) - len(table)
             if num_missing > 0:
                 table.extend(pool.allocate(num_missing, _last_block(table)))
+        for offset, slot_pool in enumerate(self.slot_pools):
+            table = entry.tables[len(self.pools) + offset]
+            if not table:  # the request's first allocation: its slot for the rest of its life
+                table.append(slot_pool.allocate())
         if hit is not None and hit.num_tokens:
             entry.num_cached_blocks = max(entry.num_cached_blocks, hit.num_tokens // self.block_size)
         return True
@@ -292,10 +364,10 @@ class KVCacheManager:
     def _grow(self, request_id: str, num_tokens: int) -> bool | None:
         """``allocate`` for a request that holds blocks, without a prefix hit or a sliding
         window (every decode step): its table only ever grows at the end. Without sliding
-        windows there is one group (``make_group_specs``). None: not such a request, take the
-        general path."""
+        windows there is one paged group (``make_group_specs``); a request that holds blocks
+        holds its state slots already. None: not such a request, take the general path."""
         entry = self._requests.get(request_id)
-        if entry is None or len(entry.tables) != 1:
+        if entry is None or len(self.pools) != 1:
             return None
         table, pool = entry.tables[0], self.pools[0]
         missing = -(-num_tokens // self.block_size) - len(table)
@@ -345,6 +417,9 @@ class KVCacheManager:
             self.on_free(entry.tables[0][:n], entry.hashes[:n])
         for pool, table in zip(self.pools, entry.tables):
             pool.free(table)
+        for offset, slot_pool in enumerate(self.slot_pools):
+            for slot_id in entry.tables[len(self.pools) + offset]:
+                slot_pool.free(slot_id)
 
     def record_events(self) -> None:
         """From now on, note the prefix-cache blocks stored and removed (``take_events``);

@@ -59,6 +59,7 @@ class EngineLoad:
     num_transferring: int  # prefill: requests holding blocks while their KV leaves
     num_free_blocks: int
     num_used_blocks: int
+    num_used_state_slots: int = 0  # a recurrent model's requests holding a state slot
 
 
 def check_mm_inputs(mm_inputs: list[MMInput], num_prompt_tokens: int) -> None:

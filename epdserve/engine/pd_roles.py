@@ -12,13 +12,15 @@ from typing import TYPE_CHECKING
 
 from epdserve.engine.kv_pull import PeerPuller
 from epdserve.engine.outputs import check_mm_inputs
-from epdserve.errors import ConfigError, InvalidRequestError
+from epdserve.errors import InvalidRequestError
 from epdserve.request import EventType, MMInput, Request
 from epdserve.sampling import SamplingParams
 from epdserve.transfer.connector import KVPusher, PushItem, TransferStats
 from epdserve.transfer.descriptors import KVEndpoint
 
 if TYPE_CHECKING:
+    import torch
+
     from epdserve.engine.detokenizer import IncrementalDetokenizer
     from epdserve.engine.kv_cache import KVCacheManager
     from epdserve.engine.reload_rule import PrefillRate
@@ -42,6 +44,12 @@ class PDRoles:
     handover_pusher: KVPusher | None
 
     if TYPE_CHECKING:
+        @property
+        def rank_kv_caches(self) -> list[list[torch.Tensor]]: ...
+
+        @property
+        def num_model_kv_heads(self) -> int: ...
+
         def _add_sequence(self, parent_id: str, request_id: str, index: int, prompt_token_ids: list[int],
                           params: SamplingParams, wait_for_request_id: str | None = None) -> None: ...
 
@@ -148,17 +156,23 @@ class PDRoles:
         """Prefill worker: some request's blocks are held while its KV leaves."""
         return bool(self.scheduler.transferring)
 
+    def _pusher_options(self) -> dict:
+        """A KV pusher's view of this engine: every rank's pages (rank 0's first), the model's
+        KV heads, the staging buffer's size (the most one step pushes) and a recurrent model's
+        state tensors."""
+        sched = self.scheduler.config
+        return {"rank_caches": self.rank_kv_caches, "total_kv_heads": self.num_model_kv_heads,
+                "staging_tokens": min(sched.max_num_batched_tokens, sched.max_model_len),
+                "state_caches": self.runner.state_caches}
+
     def attach_kv_pusher(self, layerwise: bool = True) -> KVPusher:
         """Prefill worker: from now on each step pushes the KV of requests with a
         ``kv_target`` to that decode worker (layer by layer, or in bulk after the step).
         With prefix caching over one KV group, a prefix the decode worker holds beyond this
         worker's pool may be copied from its pages (``kv_pull.py``)."""
-        if self.runner.tp is not None:
-            raise ConfigError("a prefill worker pushes KV at tensor-parallel size 1 for now: each rank holds its "
-                              "own KV heads")
-        pusher = self.runner.attach_pusher(layerwise)
+        pusher = self.runner.attach_pusher(layerwise, **self._pusher_options())
         cache = self.kv_cache
-        if cache.enable_prefix_caching and len(cache.groups) == 1:
+        if cache.enable_prefix_caching and len(cache.groups) == 1 and self.runner.tp is None:
             self.kv_puller = PeerPuller(pusher, self.runner.kv_caches, cache.block_size, self.bytes_per_block,
                                         self.prefill_rate)
             self.scheduler.peer_loader = self.kv_puller
@@ -189,7 +203,8 @@ class PDRoles:
         """Decode worker: open the link that hands requests over to decode worker ``worker_id``."""
         if self.handover_pusher is None:
             self.handover_pusher = KVPusher(list(self.runner.kv_caches), self.runner.layer_to_group,
-                                            self.scheduler.kv_cache.block_size, layerwise=False)
+                                            self.scheduler.kv_cache.block_size, layerwise=False,
+                                            **self._pusher_options())
         self.handover_pusher.add_peer(worker_id, endpoint, key)
 
     def push_handover(self, request_id: str, target: str, dst_tables: list[list[int]], generation: int,

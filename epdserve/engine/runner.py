@@ -3,7 +3,12 @@
 The KV cache of each layer is one tensor ``[2, num_blocks, block_size, num_kv_heads,
 head_dim]`` (K then V); block ids index it directly, so the scheduler's block tables are the
 addresses. The cache starts zeroed: the null block and unwritten slots hold finite values that
-attention masks out.
+attention masks out. A layer of no paged group (a recurrent layer) has an empty tensor there,
+``[2, num_blocks, block_size, 0, 0]``.
+
+A model with recurrent state (a "state" KV cache group) also has, per layer of that group, one
+tensor ``[num_slots, *state_shape]`` (``state_caches``; empty for the other layers): a request's
+slot id (its state group's one-entry block table) indexes it directly.
 """
 
 from __future__ import annotations
@@ -54,10 +59,14 @@ class ModelRunner:
         seed: int = 0,
         kv_caches: list[torch.Tensor] | None = None,
         faults: FaultPlan | None = None,
+        num_state_slots: int = 0,
+        state_caches: list[torch.Tensor] | None = None,
     ) -> None:
         """``kv_caches``: pages allocated by the caller (e.g. in shared memory), one tensor per
         layer of the shape above; zero-filled tensors are allocated when None. ``faults``:
-        sampling faults to inject (tests)."""
+        sampling faults to inject (tests). ``num_state_slots``: slots of the state tensors
+        (``KVCacheManager.num_state_slots``; 0 without state groups); ``state_caches``: those
+        tensors allocated by the caller (e.g. in shared memory), zero-filled when None."""
         self.model = model
         self.groups = groups
         self.block_size = block_size
@@ -72,6 +81,14 @@ class ModelRunner:
                 for shape in kv_cache_shapes(groups, num_layers, num_blocks, block_size)
             ]
         self.kv_caches = kv_caches
+        self.paged_groups = [g for g in groups if g.is_paged]
+        self.state_groups = [g for g in groups if not g.is_paged]
+        self.state_caches: list[torch.Tensor] | None = state_caches
+        if self.state_groups and state_caches is None:
+            self.state_caches = [
+                torch.zeros(shape, dtype=dtype, device=device)
+                for shape in state_cache_shapes(groups, num_layers, num_state_slots)
+            ]
         self.sampler: Sampler = (Sampler(seed, device) if faults is None
                                  else FaultInjectingSampler(seed, device, faults))
         self.pusher: KVPusher | None = None  # set on a prefill worker of a P/D pair
@@ -88,14 +105,16 @@ class ModelRunner:
     def kv_dtype(self) -> torch.dtype:
         return self.kv_caches[0].dtype
 
-    def attach_pusher(self, layerwise: bool = True) -> KVPusher:
-        """Push the KV of requests with a ``kv_target`` from every later step."""
-        self.pusher = KVPusher(self.kv_caches, self.layer_to_group, self.block_size, layerwise)
+    def attach_pusher(self, layerwise: bool = True, **options) -> KVPusher:
+        """Push the KV of requests with a ``kv_target`` from every later step (``options``: the
+        pusher's tensor-parallel ones)."""
+        self.pusher = KVPusher(self.kv_caches, self.layer_to_group, self.block_size, layerwise, **options)
         return self.pusher
 
     def release_kv_pages(self) -> None:
         """Forget the KV pages (their memory is about to go); no step runs after this."""
         self.kv_caches = []
+        self.state_caches = None if self.state_caches is None else []
 
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> RunnerOutput:
@@ -115,7 +134,7 @@ class ModelRunner:
             self.pusher.begin_step(self._push_items(entries))
             on_layer_written = self.pusher.save_layer
         logits = run_forward(self.model, inputs, self.kv_caches, self.layer_to_group, self.block_size, self.device,
-                             on_layer_written)
+                             on_layer_written, self.state_caches)
         if self.pusher is not None:
             self.pusher.end_step()
         out = RunnerOutput({}, {}, len(inputs.input_ids))
@@ -137,7 +156,7 @@ class ModelRunner:
         context_lens = [e.start_pos + e.num_new_tokens for e in entries]
         max_blocks = max(-(-n // bs) for n in context_lens)
         slots, tables = [], []
-        for group in self.groups:
+        for group in self.paged_groups:
             gid = group.group_id
             group_slots: list[int] = []
             group_tables = []
@@ -149,9 +168,11 @@ class ModelRunner:
                 group_tables.append(row + [0] * (max_blocks - len(row)))
             slots.append(group_slots)
             tables.append(group_tables)
+        # A state group's table is the request's one slot.
+        state_slots = {g.group_id: [e.block_tables[g.group_id][0] for e in entries] for g in self.state_groups}
         return StepInputs(input_ids, positions, sum(1 for e in entries if e.num_new_tokens == 1),
                           [e.num_new_tokens for e in entries], context_lens, slots, tables, sample_rows,
-                          float32_logits, self._image_rows(entries))
+                          float32_logits, self._image_rows(entries), state_slots)
 
     def _sample(self, logits: torch.Tensor, requests: list[Request], out: RunnerOutput) -> None:
         """Sample the batch at once; if that raises, each row alone, failing the rows that
@@ -256,9 +277,23 @@ class ModelRunner:
 def kv_cache_shapes(
     groups: list[KVCacheGroupSpec], num_layers: int, num_blocks: int, block_size: int
 ) -> list[tuple[int, ...]]:
-    """Per layer: [2, num_blocks, block_size, num_kv_heads, head_dim]."""
-    shapes: list[tuple[int, ...]] = [()] * num_layers
+    """Per layer: [2, num_blocks, block_size, num_kv_heads, head_dim]; no heads for a layer of
+    no paged group (empty, the same rank, so every layer's pages address alike)."""
+    shapes: list[tuple[int, ...]] = [(2, num_blocks, block_size, 0, 0)] * num_layers
     for group in groups:
+        if not group.is_paged:
+            continue
         for layer in group.layer_ids:
             shapes[layer] = (2, num_blocks, block_size, group.num_kv_heads, group.head_dim)
+    return shapes
+
+
+def state_cache_shapes(groups: list[KVCacheGroupSpec], num_layers: int, num_slots: int) -> list[tuple[int, ...]]:
+    """Per layer: [num_slots, *state_shape] for a layer of a state group, else [0]."""
+    shapes: list[tuple[int, ...]] = [(0,)] * num_layers
+    for group in groups:
+        if group.is_paged:
+            continue
+        for layer in group.layer_ids:
+            shapes[layer] = (num_slots, *group.state_shape)
     return shapes

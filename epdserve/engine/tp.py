@@ -35,7 +35,8 @@ import torch.distributed as dist
 
 from epdserve.engine.forward import StepInputs, run_forward
 from epdserve.errors import ConfigError
-from epdserve.models.layers.linear import kv_heads_of_rank
+from epdserve.transfer.shm_pool import SharedKVPool
+from epdserve.transfer.tp_plan import kv_heads_of_rank
 
 log = logging.getLogger("epdserve.engine")
 
@@ -151,6 +152,13 @@ class TPGroup:
         """Each follower allocates its pages: the same block ids, its own KV heads."""
         self.send(("kv", shapes, str(dtype).removeprefix("torch."), layer_to_group, block_size))
 
+    def attach_kv(self, pool_names: list[str], shapes: list[tuple[int, ...]], dtype: torch.dtype,
+                  layer_to_group: list[int], block_size: int) -> None:
+        """Each follower maps the shared pool rank 0 made for it (``pool_names[r - 1]``) as its
+        pages, so that rank 0 reads and lands its KV heads (P/D)."""
+        for pipe, name in zip(self.pipes, pool_names, strict=True):
+            pipe.send(("kv_shm", name, shapes, str(dtype).removeprefix("torch."), layer_to_group, block_size))
+
     def step(self, inputs: StepInputs) -> None:
         self.send(("step", inputs))
 
@@ -193,6 +201,7 @@ def _follower_main(args: _FollowerArgs, pipe: Connection) -> None:
         return
     pipe.send("")
     kv_caches: list[torch.Tensor] = []
+    pool: SharedKVPool | None = None  # P/D: this rank's pages, shared with rank 0
     layer_to_group: list[int] = []
     block_size = 0
     with torch.inference_mode():
@@ -207,6 +216,14 @@ def _follower_main(args: _FollowerArgs, pipe: Connection) -> None:
                 shapes, dtype, layer_to_group, block_size = command[1:]
                 kv_caches = []  # the old pages go before the new ones are allocated
                 kv_caches = [torch.zeros(s, dtype=getattr(torch, dtype), device=device) for s in shapes]
+            elif command[0] == "kv_shm":
+                name, shapes, dtype, layer_to_group, block_size = command[1:]
+                kv_caches = []
+                if pool is not None:
+                    pool.close()
+                pool = SharedKVPool.attach_named(name, shapes[0][1], block_size, [tuple(s[3:]) for s in shapes],
+                                                 getattr(torch, dtype))
+                kv_caches = pool.layers
             elif command[0] == "stop":
                 break
     dist.destroy_process_group()

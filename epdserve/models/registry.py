@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from epdserve.models.gemma3 import GEMMA3_SLIDING_WINDOW_PATTERN, Gemma3Config, Gemma3ForCausalLM
+from epdserve.models.lfm2 import Lfm2Config, Lfm2ForCausalLM, lfm2_layer_types, lfm2_state_shapes
 from epdserve.models.llama import LlamaConfig, LlamaForCausalLM
 from epdserve.models.spec import ModelLoadError, ModelSpec
 
@@ -24,6 +25,7 @@ _MODEL_TYPES = {
     "qwen3": "qwen3",
     "gemma3_text": "gemma3",
     "gemma3": "gemma3",
+    "lfm2": "lfm2",
 }
 
 _MODEL_CLASSES: dict[str, tuple[type[nn.Module], Any]] = {
@@ -31,6 +33,7 @@ _MODEL_CLASSES: dict[str, tuple[type[nn.Module], Any]] = {
     "qwen2": (LlamaForCausalLM, LlamaConfig),
     "qwen3": (LlamaForCausalLM, LlamaConfig),
     "gemma3": (Gemma3ForCausalLM, Gemma3Config),
+    "lfm2": (Lfm2ForCausalLM, Lfm2Config),
 }
 
 
@@ -39,7 +42,7 @@ class ModelBlueprint:
     """Everything needed to construct a model; ``config`` is the architecture's own dataclass."""
 
     spec: ModelSpec
-    config: LlamaConfig | Gemma3Config
+    config: LlamaConfig | Gemma3Config | Lfm2Config
     model_cls: type[nn.Module]
 
     def create(
@@ -100,8 +103,9 @@ def architecture_of(hf: Mapping[str, Any]) -> str:
 
 
 def sliding_windows(hf: Mapping[str, Any], architecture: str, num_layers: int) -> tuple[int | None, ...]:
-    """Per-layer window in tokens, None for full attention, following HF's ``layer_types``."""
-    layer_types = hf.get("layer_types")
+    """Per-layer window in tokens, None for full attention (and for a layer that does not
+    attend), following HF's ``layer_types``."""
+    layer_types = lfm2_layer_types(hf, num_layers) if architecture == "lfm2" else hf.get("layer_types")
     if layer_types is None:
         if architecture == "gemma3":
             pattern = int(hf.get("sliding_window_pattern", GEMMA3_SLIDING_WINDOW_PATTERN))
@@ -121,6 +125,12 @@ def sliding_windows(hf: Mapping[str, Any], architecture: str, num_layers: int) -
     if "sliding_attention" in layer_types and not window:
         raise ModelLoadError("config has sliding-window layers but no sliding_window")
     return tuple(int(window) if kind == "sliding_attention" else None for kind in layer_types)
+
+
+def state_shapes(hf: Mapping[str, Any], architecture: str, num_layers: int) -> tuple[tuple[int, ...] | None, ...]:
+    """Per layer, the recurrent state one request keeps (``ModelSpec.state_shapes``); empty
+    for architectures whose layers all attend."""
+    return lfm2_state_shapes(hf, num_layers) if architecture == "lfm2" else ()
 
 
 def build_blueprint(
@@ -150,6 +160,7 @@ def build_blueprint(
             sliding_windows=sliding_windows(hf, architecture, num_layers),
             bos_token_id=bos_token_id,
             eos_token_ids=eos_token_ids,
+            state_shapes=state_shapes(hf, architecture, num_layers),
         )
         config = config_cls.from_hf(hf, architecture)
     except KeyError as exc:

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from epdserve.errors import EpdserveError
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", "lfm2")
 
 
 class ModelLoadError(EpdserveError):
@@ -19,7 +19,9 @@ class ModelSpec:
 
     Counts are totals over all tensor-parallel ranks. ``sliding_windows[i]`` is the window
     W of layer i in tokens (a query at position p attends to keys p-W+1 .. p), or None
-    for full attention.
+    for full attention. ``state_shapes[i]`` is the shape of the recurrent state one request
+    keeps for layer i, a layer without KV (LFM2's short convolution: (channels, kernel - 1)),
+    or None for an attention layer; empty when every layer attends.
     """
 
     architecture: str
@@ -34,6 +36,7 @@ class ModelSpec:
     sliding_windows: tuple[int | None, ...]
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    state_shapes: tuple[tuple[int, ...] | None, ...] = ()
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -61,6 +64,17 @@ class ModelSpec:
             raise ModelLoadError(f"sliding windows must be positive: {self.sliding_windows}")
         if not self.eos_token_ids:
             raise ModelLoadError("model has no end-of-sequence token")
+        if self.state_shapes:
+            if len(self.state_shapes) != self.num_layers:
+                raise ModelLoadError(f"{len(self.state_shapes)} state shapes given for {self.num_layers} layers")
+            if any(shape is not None and window is not None
+                   for shape, window in zip(self.state_shapes, self.sliding_windows)):
+                raise ModelLoadError("a layer with recurrent state has no sliding window")
+
+    @property
+    def has_recurrent_state(self) -> bool:
+        """Some layers keep a per-request state instead of KV (see ``state_shapes``)."""
+        return any(shape is not None for shape in self.state_shapes)
 
     @property
     def is_hybrid(self) -> bool:

@@ -140,6 +140,11 @@ class Profiler:
         spec = self.engine.loaded.spec
         self.serving = target.args.resolve(spec.max_position_embeddings, bytes_per_block)
         self.kv_bytes_per_token = bytes_per_block // target.args.block_size
+        # Per attention group (a window, or None): what a P/D transfer sends per token.
+        dtype_bytes = self.engine.runner.kv_caches[0].element_size()
+        self.kv_groups = tuple((g.sliding_window, g.bytes_per_block(target.args.block_size, dtype_bytes)
+                                // target.args.block_size)
+                               for g in self.engine.kv_cache.groups if g.kind in ("full", "sliding"))
         sched = self.serving.scheduler
         self.points = {
             role: target.grid.points(role, sched.max_num_batched_tokens, sched.max_num_seqs, sched.max_model_len)
@@ -220,7 +225,7 @@ class Profiler:
         return CostModel(
             model=spec.name, dtype=self.serving.dtype, block_size=self.serving.cache.block_size,
             kv_bytes_per_token=self.kv_bytes_per_token, embed_bytes_per_token=embed_bytes,
-            num_layers=spec.num_layers, roles=roles, encode=encode, raw=raw,
+            num_layers=spec.num_layers, roles=roles, encode=encode, raw=raw, kv_groups=self.kv_groups,
             kv_tiers={t: (e["bytes_per_s"], e["latency_s"]) for t, e in kv_tiers.items() if "bytes_per_s" in e},
         )
 

@@ -45,6 +45,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--colocated-workers", type=int, default=0, help="workers that prefill and decode (chunked)")
     g.add_argument("--encode-workers", type=int, default=0, help="vision encode workers in front of prefill / colocated workers")
     g.add_argument("--cores-per-worker", type=int, default=1)
+    g.add_argument("--prefill-tp", type=int, default=None,
+                   help="tensor-parallel size of prefill workers (default --tensor-parallel-size); it may differ "
+                        "from --decode-tp: KV heads are re-sharded on the way")
+    g.add_argument("--decode-tp", type=int, default=None,
+                   help="tensor-parallel size of decode workers (default --tensor-parallel-size)")
     g.add_argument("--kv-transport", choices=TRANSPORTS, default="auto",
                    help="how prefill workers reach decode workers' KV pages: auto (shared memory on one node, "
                         "TCP between nodes), or always one of them")
@@ -146,16 +151,29 @@ def plan_workers(ns: argparse.Namespace) -> list[str]:
         raise ConfigError("--max-images-per-request and --encode-batch-images must be at least 1")
     if ns.role_switching != "off" and colocated and (prefill or decode):
         raise ConfigError("--role-switching moves workers within one layout: P/D or colocated, not both")
-    if ns.tensor_parallel_size < 1:
-        raise ConfigError("--tensor-parallel-size must be at least 1")
-    if ns.tensor_parallel_size > 1 and (prefill or decode or encode or ns.role_switching != "off"):
-        raise ConfigError("--tensor-parallel-size > 1 serves colocated workers for now (P/D moves each rank's KV "
-                          "heads separately; not yet)")
-    if ns.tensor_parallel_size > ns.cores_per_worker:
-        raise ConfigError(f"--tensor-parallel-size {ns.tensor_parallel_size} needs --cores-per-worker >= "
-                          f"{ns.tensor_parallel_size} (a core per rank)")
+    sizes = {"--tensor-parallel-size": ns.tensor_parallel_size, "--prefill-tp": ns.prefill_tp,
+             "--decode-tp": ns.decode_tp}
+    for flag, size in sizes.items():
+        if size is not None and size < 1:
+            raise ConfigError(f"{flag} must be at least 1")
+    tps = {Role.PREFILL: role_tp(ns, Role.PREFILL), Role.DECODE: role_tp(ns, Role.DECODE),
+           Role.COLOCATED: ns.tensor_parallel_size}
+    used = [tps[role] for role, count in ((Role.PREFILL, prefill), (Role.DECODE, decode), (Role.COLOCATED, colocated))
+            if count]
+    if max(used, default=1) > 1 and (encode or ns.role_switching != "off"):
+        raise ConfigError("tensor-parallel size > 1 serves text workers without role switching for now (the "
+                          "vision encoder runs whole; a switch would re-shard the weights)")
+    if max(used, default=1) > ns.cores_per_worker:
+        raise ConfigError(f"tensor-parallel size {max(used)} needs --cores-per-worker >= {max(used)} (a core per rank)")
     # Encode workers first: with fewer cores than workers, they share a core with decode.
     return [Role.ENCODE] * encode + [Role.PREFILL] * prefill + [Role.DECODE] * decode + [Role.COLOCATED] * colocated
+
+
+def role_tp(ns: argparse.Namespace, role: str) -> int:
+    """The tensor-parallel size of ``role``'s workers: --prefill-tp / --decode-tp, else
+    --tensor-parallel-size."""
+    size = {Role.PREFILL: ns.prefill_tp, Role.DECODE: ns.decode_tp}.get(role)
+    return ns.tensor_parallel_size if size is None else size
 
 
 def is_vlm_checkpoint(model: str | None) -> bool:
@@ -281,6 +299,8 @@ async def serve(ns: argparse.Namespace) -> int:
             role_extra = [*role_extra, "--reservation-lease", str(ns.reservation_lease)]
         if ns.step_trace_dir and role != Role.ENCODE:
             role_extra = [*role_extra, "--step-trace-dir", ns.step_trace_dir]
+        if role in (Role.PREFILL, Role.DECODE):
+            role_extra = [*role_extra, "--tensor-parallel-size", str(role_tp(ns, role))]
         if ray_workers is not None:
             ray_workers.start(worker_id, role, router.address, extra + role_extra, log_path)
             continue

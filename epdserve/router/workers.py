@@ -161,6 +161,7 @@ class WorkerInfo:
                 "num_waiting": load.num_waiting,
                 "num_free_blocks": load.num_free_blocks,
                 "num_used_blocks": load.num_used_blocks,
+                "num_used_state_slots": load.num_used_state_slots,
                 "num_reserved": load.num_reserved,
                 "num_transferring": load.num_transferring,
                 "num_kv_writes_refused": load.num_kv_writes_refused,

@@ -234,15 +234,13 @@ class ClusterSim(SimLoop):
     def _push_kv(self, inst: StepInstance, scheduled: list, now: float, step_s: float) -> None:
         """Queue the KV of this prefill step's tokens (and, on a request's first chunk, of its
         prefix-cache hit) on the instance's link, layer by layer."""
-        kv_bytes = self.cost.kv_bytes_per_token
         sizes, finals = [], []
         for entry in scheduled:
             request = entry.request
             flight = self.flights[request.request_id]
             end = min(entry.start_pos + entry.num_new_tokens, request.num_prompt_tokens)
-            num_new = max(0, end - flight.kv_sent)
+            sizes.append(self.cost.kv_bytes_sent(flight.kv_sent, end, request.num_prompt_tokens))
             flight.kv_sent = max(flight.kv_sent, end)
-            sizes.append(num_new * kv_bytes)
             finals.append(flight if end == request.num_prompt_tokens else None)
         for flight, end_s in zip(finals, inst.link.send_layerwise(now, step_s, self.cost.num_layers, sizes)):
             if flight is not None:
@@ -351,7 +349,6 @@ class ClusterSim(SimLoop):
             return
         source.handover_pending = False
         self._retarget_reservations(source)
-        kv_bytes = self.cost.kv_bytes_per_token
         for request in list(source.scheduler.running):
             rid = request.request_id
             num_tokens = request.num_tokens - 1
@@ -365,7 +362,7 @@ class ClusterSim(SimLoop):
                 continue
             held = source.scheduler.hold_for_handover(rid)
             target.worker.take(rid)
-            self._push(source.link.send(self.now, num_tokens * kv_bytes), HANDED_OVER,
+            self._push(source.link.send(self.now, self.cost.kv_bytes_sent(0, num_tokens, num_tokens)), HANDED_OVER,
                        (self.flights[rid], held, source, target))
 
     def _retarget_reservations(self, source: StepInstance) -> None:

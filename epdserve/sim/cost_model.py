@@ -16,6 +16,7 @@ batch of images takes ``base_s + per_tile_s * total_tiles``.
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import math
 from collections.abc import Sequence
@@ -25,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from epdserve.engine.kv_cache import KVCacheGroupSpec
 from epdserve.engine.step_shape import StepShape
 from epdserve.errors import ConfigError
 from epdserve.roles import LLM_ROLES
@@ -280,6 +282,18 @@ def _parse_kv_tiers(d: Any) -> dict[str, tuple[float, float]]:
     return tiers
 
 
+def _parse_kv_groups(d: object) -> tuple[tuple[int | None, int], ...]:
+    if d is None:
+        return ()
+    _require(isinstance(d, list), "profile 'kv_groups' must be a list")
+    groups = []
+    for entry in d:
+        _require(isinstance(entry, dict) and "bytes_per_token" in entry,
+                 "kv_groups entries must be objects with 'window' and 'bytes_per_token'")
+        groups.append((entry.get("window"), entry["bytes_per_token"]))
+    return tuple(groups)
+
+
 @dataclass(frozen=True)
 class CostModel:
     model: str
@@ -294,9 +308,16 @@ class CostModel:
     # The KV tiers' media, measured: tier ("host", "disk") -> (read bytes per second, seconds
     # per load); the reload rule's load side (engine/reload_rule.py). Empty: not measured.
     kv_tiers: dict[str, tuple[float, float]] = field(default_factory=dict)
+    # KV cache groups: (sliding window in tokens or None for full attention, K and V bytes of
+    # one token over the group's layers). Empty: one full-attention group of kv_bytes_per_token.
+    kv_groups: tuple[tuple[int | None, int], ...] = ()
 
     def __post_init__(self) -> None:
         _check_count("block_size", self.block_size, 1)
+        for window, per_token in self.kv_groups:
+            _require(window is None or (isinstance(window, int) and window > 0),
+                     f"kv_groups: a window must be a positive integer or null, got {window!r}")
+            _check_count("kv_groups bytes_per_token", per_token, 1)
         _check_count("kv_bytes_per_token", self.kv_bytes_per_token, 1)
         _check_count("num_layers", self.num_layers, 1)
         if self.embed_bytes_per_token is not None:
@@ -314,6 +335,22 @@ class CostModel:
     def bytes_per_block(self) -> int:
         """KV bytes of one block, every layer."""
         return self.kv_bytes_per_token * self.block_size
+
+    @functools.cached_property
+    def _group_specs(self) -> list[tuple[KVCacheGroupSpec, int]]:
+        groups = self.kv_groups or ((None, self.kv_bytes_per_token),)
+        return [(KVCacheGroupSpec(i, "full" if window is None else "sliding", (), 0, 0, window), per_token)
+                for i, (window, per_token) in enumerate(groups)]
+
+    def kv_bytes_sent(self, start: int, end: int, num_prompt_tokens: int) -> int:
+        """KV bytes a prefill worker sends for prompt positions ``start .. end - 1``: a decode
+        worker's reservation holds a sliding group only from the block its first query (at
+        the prompt's end) can see (``KVCacheGroupSpec.first_kept_block``, the engine's rule)."""
+        total = 0
+        for group, per_token in self._group_specs:
+            kept = group.first_kept_block(num_prompt_tokens, self.block_size) * self.block_size
+            total += per_token * max(0, end - max(start, kept))
+        return total
 
     def role(self, name: str) -> RoleProfile:
         if name == ENCODE_ROLE:
@@ -357,6 +394,7 @@ class CostModel:
             encode=encode,
             raw=copy.deepcopy(d),
             kv_tiers=_parse_kv_tiers(d.get("kv_tiers")),
+            kv_groups=_parse_kv_groups(d.get("kv_groups")),
         )
 
     def to_dict(self) -> dict:
@@ -381,6 +419,8 @@ class CostModel:
             old_tiers = d.get("kv_tiers") if isinstance(d.get("kv_tiers"), dict) else {}
             d["kv_tiers"] = {tier: {**(old_tiers.get(tier) or {}), "bytes_per_s": bps, "latency_s": lat}
                              for tier, (bps, lat) in self.kv_tiers.items()}
+        if self.kv_groups:
+            d["kv_groups"] = [{"window": window, "bytes_per_token": per_token} for window, per_token in self.kv_groups]
         return d
 
     @classmethod

@@ -29,6 +29,19 @@ class KVEndpoint(msgspec.Struct, omit_defaults=True):
     # The write fence (epdserve/transfer/fence.py): shm only, the owner array's segment.
     fence_shm_name: str = ""
     num_groups: int = 1
+    # Tensor parallelism: the worker's ranks, each holding ``layer_shapes``' heads of the model's
+    # ``total_kv_heads`` (transfer/tp_plan.py); the pools of ranks 1.. in shared memory (rank 0's
+    # is ``shm_name``). Over TCP rank 0's listener lands every rank's frames.
+    tp_size: int = 1
+    total_kv_heads: int = 0  # 0: layer_shapes' heads (TP 1)
+    rank_shm_names: list[str] = []
+    # Recurrent state (a model with state layers): per layer the state of one request
+    # (``[]``: a layer without state; those layers' ``layer_shapes`` have no heads), its
+    # ``num_state_slots`` slots in shared memory ``state_shm_name`` (shm), or landed by the TCP
+    # listener with the KV.
+    state_shapes: list[list[int]] = []
+    num_state_slots: int = 0
+    state_shm_name: str = ""
 
 
 class SlabEndpoint(msgspec.Struct, omit_defaults=True):

@@ -7,6 +7,7 @@ it on close; a peer attaches once at start-up and keeps the mapping.
 
 from __future__ import annotations
 
+import math
 import os
 import secrets
 from multiprocessing import resource_tracker, shared_memory
@@ -68,16 +69,28 @@ class SharedKVPool:
         return pool
 
     @classmethod
-    def attach(cls, endpoint: KVEndpoint) -> SharedKVPool:
-        segment = shared_memory.SharedMemory(name=endpoint.shm_name, create=False)
+    def attach(cls, endpoint: KVEndpoint, name: str | None = None) -> SharedKVPool:
+        """Map the pool ``name`` (default: the endpoint's own, rank 0's) laid out as the endpoint
+        says (every tensor-parallel rank's pool has the same layout)."""
+        shapes = [tuple(s) for s in endpoint.layer_shapes]
+        return cls.attach_named(name or endpoint.shm_name, endpoint.num_blocks, endpoint.block_size, shapes,
+                                getattr(torch, endpoint.dtype))
+
+    @classmethod
+    def attach_named(cls, name: str, num_blocks: int, block_size: int, layer_shapes: list[tuple[int, int]],
+                     dtype: torch.dtype) -> SharedKVPool:
+        """Map another process's pool ``name``; ValueError when it is smaller than the layout."""
+        segment = shared_memory.SharedMemory(name=name, create=False)
         # The owner unlinks the segment; this process must not do it at its exit.
         try:
             resource_tracker.unregister(segment._name, "shared_memory")  # type: ignore[attr-defined]
         except Exception:
             pass
-        dtype = getattr(torch, endpoint.dtype)
-        shapes = [tuple(s) for s in endpoint.layer_shapes]
-        return cls(segment, False, endpoint.num_blocks, endpoint.block_size, shapes, dtype)
+        expected = sum(_layer_numels(num_blocks, block_size, layer_shapes))
+        if segment.size < expected * torch.tensor([], dtype=dtype).element_size():
+            segment.close()
+            raise ValueError(f"shared KV pool {name} is smaller than its layout says")
+        return cls(segment, False, num_blocks, block_size, layer_shapes, dtype)
 
     @property
     def name(self) -> str:
@@ -96,6 +109,9 @@ class SharedKVPool:
 
     def close(self) -> None:
         self.layers = []
+        self._close_segment()
+
+    def _close_segment(self) -> None:
         self._flat = None  # type: ignore[assignment]
         try:
             self.segment.close()
@@ -106,3 +122,65 @@ class SharedKVPool:
                 self.segment.unlink()
             except FileNotFoundError:
                 pass
+
+
+class SharedStatePool:
+    """Recurrent state in POSIX shared memory (a decode worker's, so that a prefill worker can
+    write a request's state into its slot): layer l is ``[num_slots, *shapes[l]]``, empty for
+    a layer without state. Created and unlinked by the owner, attached once by a peer."""
+
+    def __init__(self, segment: shared_memory.SharedMemory, owner: bool, num_slots: int,
+                 shapes: list[tuple[int, ...]], dtype: torch.dtype) -> None:
+        self.segment = segment
+        self.owner = owner
+        self.num_slots = num_slots
+        self.shapes = shapes
+        flat = torch.frombuffer(segment.buf, dtype=dtype)
+        self.layers: list[torch.Tensor] = []
+        offset = 0
+        for shape in shapes:
+            numel = num_slots * math.prod(shape) if shape else 0
+            self.layers.append(flat[offset : offset + numel].view(num_slots, *shape) if shape else flat[:0])
+            offset += numel
+        self._flat = flat
+
+    @staticmethod
+    def _size(num_slots: int, shapes: list[tuple[int, ...]], dtype: torch.dtype) -> int:
+        numel = sum(num_slots * math.prod(s) for s in shapes if s)
+        return max(1, numel) * torch.tensor([], dtype=dtype).element_size()
+
+    @classmethod
+    def create(cls, num_slots: int, shapes: list[tuple[int, ...]], dtype: torch.dtype,
+               name_prefix: str = "epdserve-state") -> SharedStatePool:
+        name = f"{name_prefix}-{os.getpid()}-{secrets.token_hex(4)}"
+        old_umask = os.umask(0o077)
+        try:
+            segment = shared_memory.SharedMemory(name=name, create=True, size=cls._size(num_slots, shapes, dtype))
+        finally:
+            os.umask(old_umask)
+        pool = cls(segment, True, num_slots, shapes, dtype)
+        pool._flat.zero_()
+        return pool
+
+    @classmethod
+    def attach(cls, endpoint: KVEndpoint) -> SharedStatePool:
+        """The state pool an endpoint names; ValueError when it is smaller than it says."""
+        segment = shared_memory.SharedMemory(name=endpoint.state_shm_name, create=False)
+        try:
+            resource_tracker.unregister(segment._name, "shared_memory")  # type: ignore[attr-defined]
+        except Exception:
+            pass
+        dtype = getattr(torch, endpoint.dtype)
+        shapes = [tuple(s) for s in endpoint.state_shapes]
+        if segment.size < cls._size(endpoint.num_state_slots, shapes, dtype):
+            segment.close()
+            raise ValueError(f"shared state pool {endpoint.state_shm_name} is smaller than its endpoint says")
+        return cls(segment, False, endpoint.num_state_slots, shapes, dtype)
+
+    @property
+    def name(self) -> str:
+        return self.segment.name
+
+    def close(self) -> None:
+        self.layers = []
+        SharedKVPool._close_segment(self)  # type: ignore[arg-type]

@@ -5,9 +5,12 @@ frame from a peer that has not proven the cluster secret. Then, frame after fram
 
     | u32 header length | msgpack LayerFrame | dst slots (int64 * num_tokens) | K,V payload |
 
-The payload is ``[2, num_tokens, num_kv_heads, head_dim]`` in the pool's dtype. Each header is
-checked against the reservation it names before anything is allocated or read: the
-generation must be open and reserved for the frame's request, the layer in range, the size
+The payload is ``[2, num_tokens, num_kv_heads, head_dim]`` in the pool's dtype, for the pages of
+the decode worker's tensor-parallel rank ``rank`` (its listener lands every rank's frames). A
+frame of a recurrent layer (one without KV heads) carries request states instead: its "slots"
+are state slot ids and each row is one request's state in that layer. Each
+header is checked against the reservation it names before anything is allocated or read: the
+generation must be open and reserved for the frame's request, the layer and rank in range, the size
 that of ``num_tokens`` rows of that layer, and ``num_tokens`` no more than the reservation's
 blocks hold; the slots must then lie in the reservation's blocks (the write fence,
 ``fence.py``). A frame of a reservation that has ended is read and dropped (a late write). A
@@ -52,6 +55,7 @@ class LayerFrame(msgspec.Struct, array_like=True):
     layer: int
     num_tokens: int
     num_payload_bytes: int
+    rank: int = 0  # the decode worker's tensor-parallel rank whose pages take it
 
 SEND_TIMEOUT_S = 10.0
 MAX_QUEUED_LAYERS = 1024
@@ -183,11 +187,18 @@ class TcpKVReceiver(FrameListener):
         key: bytes,
         host: str = "127.0.0.1",
         on_refused: Callable[[str, str], None] = lambda request_id, reason: None,
+        rank_caches: list[list[torch.Tensor]] | None = None,
+        state_caches: list[torch.Tensor] | None = None,
     ) -> None:
         """Frames land only where ``fence`` admits their generation; the end marker of an
         open reservation calls ``on_landed(request_id)``; a frame that fails its checks calls
-        ``on_refused(request_id, reason)`` (the request fails)."""
+        ``on_refused(request_id, reason)`` (the request fails). ``rank_caches``: at tensor
+        parallelism, every rank's pages (rank 0's are ``kv_caches``), all laid out alike.
+        ``state_caches``: a recurrent model's state per layer (``[num_slots, ...]``, empty for
+        an attention layer)."""
         self.kv_caches = kv_caches
+        self.rank_caches = rank_caches or [kv_caches]
+        self.state_caches = state_caches
         self.on_landed = on_landed
         self.on_refused = on_refused
         self.fence = fence
@@ -195,6 +206,12 @@ class TcpKVReceiver(FrameListener):
         self.block_size = kv_caches[0].shape[2]
         self.max_tokens = kv_caches[0].shape[1] * self.block_size  # the whole pool
         self._row_bytes = [2 * c.shape[3] * c.shape[4] * c.element_size() for c in kv_caches]
+        # A recurrent layer's rows are request states, addressed by slot id.
+        self._is_state = [bool(state_caches is not None and state_caches[i].numel()) for i in range(len(kv_caches))]
+        for i, is_state in enumerate(self._is_state):
+            if is_state:
+                state = state_caches[i]  # type: ignore[index]
+                self._row_bytes[i] = state[0].numel() * state.element_size()
         self._decoder = msgspec.msgpack.Decoder(LayerFrame)
         self.num_refused_frames = 0  # frames read and dropped: reservation closed, or failing a check
         super().__init__(host, "kv", key, b"kv")
@@ -223,6 +240,9 @@ class TcpKVReceiver(FrameListener):
         if not 0 <= frame.layer < len(self.kv_caches):
             self._refuse(frame, f"layer {frame.layer} out of range")
             raise BrokenPeer("a frame of an unknown layer")
+        if not 0 <= frame.rank < len(self.rank_caches) or (self._is_state[frame.layer] and frame.rank):
+            self._refuse(frame, f"rank {frame.rank} out of range")
+            raise BrokenPeer("a frame of an unknown rank")
         row_bytes = self._row_bytes[frame.layer]
         if not 0 < frame.num_tokens <= self.max_tokens or frame.num_payload_bytes != frame.num_tokens * row_bytes:
             self._refuse(frame, f"{frame.num_tokens} tokens in {frame.num_payload_bytes} bytes do not fit the pool")
@@ -238,13 +258,14 @@ class TcpKVReceiver(FrameListener):
         if request_id != frame.request_id:
             self._refuse(frame, "the frame names another request's reservation")
             return _discard(conn, num_bytes)
-        if frame.num_tokens > len(block_ids[group]) * self.block_size:
+        is_state = self._is_state[frame.layer]
+        if frame.num_tokens > len(block_ids[group]) * (1 if is_state else self.block_size):
             self._refuse(frame, f"{frame.num_tokens} tokens exceed the reservation")
             raise BrokenPeer("a frame larger than its reservation")
         slots = np.empty(frame.num_tokens, dtype=np.int64)
         if not _recv_exact(conn, memoryview(slots).cast("B")):
             return False
-        ids = np.unique(slots // self.block_size)
+        ids = np.unique(slots if is_state else slots // self.block_size)
         if int(slots.min()) < 0 or not set(ids.tolist()) <= set(block_ids[group]):
             self._refuse(frame, "slots outside the reservation's blocks")
             return _discard(conn, frame.num_payload_bytes)
@@ -256,13 +277,18 @@ class TcpKVReceiver(FrameListener):
 
     def _land(self, frame: LayerFrame, group: int, slots: np.ndarray, block_ids: np.ndarray,
               payload: bytearray) -> None:
-        cache = self.kv_caches[frame.layer]
         with self.fence.lock:  # check and write as one step against the engine's close
             if not self.fence.admits(frame.generation, group, block_ids):
                 self.num_refused_frames += 1
                 return
+            if self._is_state[frame.layer]:
+                state = self.state_caches[frame.layer]  # type: ignore[index]
+                rows = torch.frombuffer(payload, dtype=state.dtype).view(frame.num_tokens, *state.shape[1:])
+                state.index_copy_(0, torch.from_numpy(slots).to(state.device), rows.to(state.device))
+                return
+            cache = self.rank_caches[frame.rank][frame.layer]
             kv = torch.frombuffer(payload, dtype=cache.dtype).view(2, frame.num_tokens, *cache.shape[3:])
-            flat = cache.view(2, -1, *cache.shape[3:])
+            flat = cache.view(2, cache.shape[1] * cache.shape[2], *cache.shape[3:])
             flat.index_copy_(1, torch.from_numpy(slots).to(flat.device), kv.to(flat.device))
 
 
@@ -293,15 +319,15 @@ class TcpKVSender:
         self._thread.start()
 
     def write(self, request_id: str, generation: int, layer: int, group: int, kv: torch.Tensor,
-              dst_slots: torch.Tensor, dst_block_ids: np.ndarray) -> bool:
+              dst_slots: torch.Tensor, dst_block_ids: np.ndarray, rank: int = 0) -> bool:
         """kv [2, n, kv_heads, head_dim], a fresh tensor (not a view of the pages) that the
-        sender now owns; dst_slots [n] int64. The receiver checks the fence; True here means
-        queued."""
-        self._put((request_id, generation, layer, kv.contiguous(), dst_slots.to(torch.int64).contiguous()))
+        sender now owns, for the receiver's rank ``rank``; dst_slots [n] int64. The receiver
+        checks the fence; True here means queued."""
+        self._put((request_id, generation, layer, kv.contiguous(), dst_slots.to(torch.int64).contiguous(), rank))
         return True
 
     def finish(self, request_id: str, generation: int) -> None:
-        self._put((request_id, generation, END_OF_REQUEST, None, None))
+        self._put((request_id, generation, END_OF_REQUEST, None, None, 0))
 
     def _put(self, item: tuple) -> None:
         """Bounded: waits for room at most the send deadline, then the link is broken (its
@@ -325,7 +351,7 @@ class TcpKVSender:
             item = self._queue.get()
             if item is None:
                 return
-            request_id, generation, layer, kv, slots = item
+            request_id, generation, layer, kv, slots, rank = item
             if self.broken:
                 if layer == END_OF_REQUEST:
                     with self._lock:
@@ -340,7 +366,8 @@ class TcpKVSender:
                         self._done.append(request_id)
                     continue
                 data = kv.reshape(-1).view(torch.uint8).numpy()
-                header = self._encoder.encode(LayerFrame(request_id, generation, layer, slots.numel(), data.nbytes))
+                header = self._encoder.encode(LayerFrame(request_id, generation, layer, slots.numel(), data.nbytes,
+                                                         rank))
                 self._sock.sendall(_HEADER.pack(len(header)) + header)
                 self._sock.sendall(slots.numpy().tobytes())
                 self._sock.sendall(memoryview(data))

@@ -55,9 +55,13 @@ def test_colocated_tp2_serves_greedy_identical(tmp_path, gemma3_gguf, hf_gemma3)
     assert not any(os.path.exists(f"/proc/{pid}") for pid in ranks), "a rank outlived its worker"
 
 
-def test_tp_with_pd_is_refused_before_starting():
+def test_tp_with_role_switching_is_refused_before_starting():
     proc = subprocess.run([sys.executable, "-m", "epdserve.cli", "serve", "--prefill-workers", "1",
-                           "--decode-workers", "1", "--tensor-parallel-size", "2", "--cores-per-worker", "2"],
-                          capture_output=True, text=True, timeout=120)
+                           "--decode-workers", "1", "--decode-tp", "2", "--cores-per-worker", "2",
+                           "--role-switching", "manual"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
-    assert "--tensor-parallel-size > 1 serves colocated workers" in proc.stderr
+    assert "tensor-parallel size > 1 serves text workers without role switching" in proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "epdserve.cli", "serve", "--prefill-workers", "1",
+                           "--decode-workers", "1", "--prefill-tp", "2"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "needs --cores-per-worker >= 2" in proc.stderr

@@ -101,6 +101,24 @@ def test_pd_first_token_at_prefill_end_and_decode_after_layerwise_transfer():
     assert prefill.link.num_bytes == 100 * 1000
 
 
+def test_sliding_window_groups_send_only_the_window():
+    """The simulator sends what the engine sends (tests/e2e/test_sliding_window_pd.py): full
+    groups every position, a sliding group only from the block a query at the prompt's end sees."""
+    profile = {**profile_dict(kv_bytes=600), "kv_groups": [{"window": None, "bytes_per_token": 100},
+                                                          {"window": 512, "bytes_per_token": 500}]}
+    cost = CostModel.from_dict(profile)
+    assert CostModel.from_dict(cost.to_dict()).kv_groups == cost.kv_groups
+    kept = (700 - 511) // 16 * 16  # 176: the first block position 699 - 511 falls in
+    whole = 700 * 100 + (700 - kept) * 500
+    assert cost.kv_bytes_sent(0, 700, 700) == whole
+    assert sum(cost.kv_bytes_sent(a, min(a + 256, 700), 700) for a in range(0, 700, 256)) == whole  # chunked
+    assert cost.kv_bytes_sent(0, 100, 100) == 100 * 600  # within the window: every layer
+    sim, _ = run(profile, "prefill=1,decode=1", fixed_workload([0.0], [700], [2]), link_bytes_per_s=1e9)
+    assert sim.instances[0].link.num_bytes == whole
+    with pytest.raises(ConfigError, match="window"):
+        CostModel.from_dict({**profile, "kv_groups": [{"window": 0, "bytes_per_token": 1}]})
+
+
 def test_pd_reservation_waits_for_the_decode_step_in_flight():
     # A worker reads control messages between steps. r0 (100 tokens) is prefilled by 0.11 s
     # and decodes from then on in 12 ms steps (its KV lands at once on a 1 TB/s link). r1

@@ -8,13 +8,11 @@ rank at TP 2, one per rank at TP 4). Ranks outlive neither their engine nor a ki
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
 import textwrap
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -23,7 +21,6 @@ from epdserve.config import EngineArgs
 from epdserve.engine.engine import LLMEngine
 from epdserve.engine.tp import local_kv_heads, rank_cores
 from epdserve.errors import ConfigError
-from epdserve.models.loader import converted_gguf_dir
 from epdserve.sampling import SamplingParams
 
 transformers = pytest.importorskip("transformers")
@@ -43,21 +40,6 @@ def test_kv_heads_split_or_replicate():
 def test_rank_cores_split_the_workers_cores():
     assert [rank_cores([4, 5, 6, 7], r, 2) for r in (0, 1)] == [[4, 5], [6, 7]]
     assert [rank_cores([0, 1], r, 4) for r in range(4)] == [[0], [1], [0], [1]]  # shared when short
-
-
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory, smollm2_gguf) -> Path:
-    """A random Llama with 8 query and 4 KV heads, saved as a Hugging Face directory."""
-    model_dir = tmp_path_factory.mktemp("tiny-llama")
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-                                      num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=1024,
-                                      bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
-    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(model_dir)
-    tokenizer_dir = converted_gguf_dir(smollm2_gguf)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(tokenizer_dir / name, model_dir / name)
-    return model_dir
 
 
 def generate(model: str, tp: int, prompts: list[list[int]]) -> tuple[list[list[int]], list[int]]:

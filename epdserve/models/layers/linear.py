@@ -22,23 +22,13 @@ import torch.distributed as dist
 from torch import nn
 
 from epdserve.models.layers.packed_linear import linear
+from epdserve.transfer.tp_plan import kv_heads_of_rank
 
 
 def divide(numerator: int, denominator: int) -> int:
     if numerator % denominator != 0:
         raise ValueError(f"{numerator} is not divisible by tensor-parallel size {denominator}")
     return numerator // denominator
-
-
-def kv_heads_of_rank(total_num_kv_heads: int, tp_rank: int, tp_size: int) -> tuple[int, int]:
-    """(first KV head, number of KV heads) that rank ``tp_rank`` of ``tp_size`` holds: an equal
-    share, or one head shared by ``tp_size / total_num_kv_heads`` consecutive ranks when TP
-    exceeds the KV heads. ValueError when neither divides."""
-    if tp_size >= total_num_kv_heads:
-        divide(tp_size, total_num_kv_heads)
-        return tp_rank * total_num_kv_heads // tp_size, 1
-    count = divide(total_num_kv_heads, tp_size)
-    return tp_rank * count, count
 
 
 def _new_param(
