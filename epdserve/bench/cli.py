@@ -140,7 +140,7 @@ def _bench_serve(ns: argparse.Namespace) -> int:
                  if class_mix or class_slos else None)
     result = build_result(
         info, run.outputs, run.duration_s, metrics, percentile_metrics, ttft_breakdown_ms(run.outputs),
-        per_class, classes,
+        per_class, classes, slos_ms,
     )
     print(format_table(result, percentile_metrics))
     if ns.result_json:

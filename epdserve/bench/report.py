@@ -45,10 +45,12 @@ def build_result(
     ttft_breakdown: Mapping[str, Mapping[str, float]] | None = None,
     service_classes: Mapping[str, Mapping[str, Any]] | None = None,
     request_classes: Sequence[str] | None = None,
+    goodput_slos_ms: Mapping[str, float] | None = None,
 ) -> dict[str, Any]:
     """The result dict; per-request lists are in request order, times in seconds.
     ``service_classes``: attainment per class (``metrics.class_attainment``), with each
-    request's class in ``request_classes``."""
+    request's class in ``request_classes``; ``goodput_slos_ms``: the SLOs goodput counted
+    against (kept, so that two results' goodputs are compared only when they agree)."""
     result: dict[str, Any] = {
         "date": datetime.now().strftime("%Y%m%d-%H%M%S"),
         "endpoint_type": info.backend,
@@ -66,6 +68,7 @@ def build_result(
         "total_output_tokens": metrics.total_output,
         "request_throughput": metrics.request_throughput,
         "request_goodput": metrics.request_goodput,
+        "goodput_slos_ms": dict(goodput_slos_ms) if goodput_slos_ms else None,
         "output_throughput": metrics.output_throughput,
         "total_token_throughput": metrics.total_token_throughput,
         "input_lens": [out.prompt_len for out in outputs],

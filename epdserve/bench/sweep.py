@@ -123,7 +123,7 @@ def _run_level(ns: argparse.Namespace, setup: _Setup, index: int, level: float) 
     metrics = compute_metrics(run.outputs, run.duration_s, PERCENTILES, setup.slos_ms, setup.tokenizer.count)
     info = RunInfo("openai-chat" if config.is_chat else "openai", config.model, setup.tokenizer.source,
                    num_requests, rate, ns.burstiness, concurrency)
-    write_result_json(build_result(info, run.outputs, run.duration_s, metrics),
+    write_result_json(build_result(info, run.outputs, run.duration_s, metrics, goodput_slos_ms=setup.slos_ms),
                       str(Path(ns.out) / "levels" / f"{setup.key}_{label}.json"))
     num_good = round((metrics.request_goodput or 0.0) * run.duration_s)
     pct = {name: dict(summary.percentiles_ms) for name, summary in metrics.summaries.items()}

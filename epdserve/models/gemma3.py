@@ -25,11 +25,11 @@ import torch
 from torch import nn
 
 from epdserve.models.layers.attention import Attention
-from epdserve.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from epdserve.models.layers.embedding import VocabParallelEmbedding
 from epdserve.models.layers.linear import Placement, QKVParallelLinear, RowParallelLinear
 from epdserve.models.layers.norm import GemmaQKNorm, GemmaRMSNorm
 from epdserve.models.layers.rotary import RopeConfig, RotaryEmbedding
-from epdserve.models.llama import LLAMA_STACKED_PARAMS, GatedMLP, load_stacked_weights, qkv_attention
+from epdserve.models.llama import LLAMA_STACKED_PARAMS, CausalLM, GatedMLP, load_stacked_weights, qkv_attention
 from epdserve.models.spec import ModelSpec
 
 GEMMA3_LOCAL_ROPE_THETA = 10000.0
@@ -177,45 +177,15 @@ class Gemma3Model(nn.Module):
         return self.norm(hidden) if residual is None else self.norm.add_forward(hidden, residual)[0]
 
 
-class Gemma3ForCausalLM(nn.Module):
+class Gemma3ForCausalLM(CausalLM):
     """Gemma 3 causal LM (text) over a flat batch of T tokens."""
 
-    def __init__(
-        self,
-        spec: ModelSpec,
-        config: Gemma3Config,
-        tp_rank: int = 0,
-        tp_size: int = 1,
-        *,
-        dtype: torch.dtype | None = None,
-        device: torch.device | str | None = None,
-    ) -> None:
-        super().__init__()
-        self.spec = spec
-        self.config = config
-        placement = Placement(tp_rank, tp_size, dtype, device)
-        self.model = Gemma3Model(spec, config, placement)
-        self.lm_head = ParallelLMHead(spec.vocab_size, spec.hidden_size, **placement.parallel_args)
-        if config.tie_word_embeddings:
-            self.lm_head.tie_to(self.model.embed_tokens)
+    decoder_cls = Gemma3Model
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """input_ids [T] int64 -> scaled token embeddings [T, hidden]."""
+        """input_ids [T] int64 -> scaled token embeddings [T, hidden] (``forward``'s
+        ``input_embeds`` are taken as already scaled for text tokens)."""
         return self.model.embed_tokens(input_ids).mul_(self.model.embed_scale)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        input_embeds: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """input_ids, positions [T] int64 -> final hidden states [T, hidden].
-
-        ``input_embeds`` [T, hidden], where given, is used as is (already scaled for text
-        tokens, as ``embed`` returns them) instead of embedding input_ids.
-        """
-        hidden = self.embed(input_ids) if input_embeds is None else input_embeds
-        return self.model(hidden, positions)
 
     def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
         """hidden [N, hidden] -> logits [N, vocab] float32 (softcapped where configured; with

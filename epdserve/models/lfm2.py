@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from epdserve.models.layers.attention import Attention
-from epdserve.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from epdserve.models.layers.embedding import VocabParallelEmbedding
 from epdserve.models.layers.linear import (
     MergedColumnParallelLinear,
     Placement,
@@ -40,7 +40,7 @@ from epdserve.models.layers.linear import (
 from epdserve.models.layers.norm import QKNorm, RMSNorm
 from epdserve.models.layers.rotary import RopeConfig, RotaryEmbedding
 from epdserve.models.layers.short_conv import ShortConv
-from epdserve.models.llama import GatedMLP, StackedMapping, load_stacked_weights, qkv_attention
+from epdserve.models.llama import CausalLM, GatedMLP, StackedMapping, load_stacked_weights, qkv_attention
 from epdserve.models.spec import ModelSpec
 
 LFM2_ROPE_THETA = 1000000.0
@@ -234,46 +234,10 @@ class Lfm2Model(nn.Module):
         return self.embedding_norm.add_forward(hidden, residual)[0]
 
 
-class Lfm2ForCausalLM(nn.Module):
+class Lfm2ForCausalLM(CausalLM):
     """LFM2 causal LM over a flat batch of T tokens."""
 
-    def __init__(
-        self,
-        spec: ModelSpec,
-        config: Lfm2Config,
-        tp_rank: int = 0,
-        tp_size: int = 1,
-        *,
-        dtype: torch.dtype | None = None,
-        device: torch.device | str | None = None,
-    ) -> None:
-        super().__init__()
-        self.spec = spec
-        self.config = config
-        placement = Placement(tp_rank, tp_size, dtype, device)
-        self.model = Lfm2Model(spec, config, placement)
-        self.lm_head = ParallelLMHead(spec.vocab_size, spec.hidden_size, **placement.parallel_args)
-        if config.tie_word_embeddings:
-            self.lm_head.tie_to(self.model.embed_tokens)
-
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """input_ids [T] int64 -> token embeddings [T, hidden]."""
-        return self.model.embed_tokens(input_ids)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        input_embeds: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """input_ids, positions [T] int64 -> final hidden states [T, hidden]."""
-        hidden = self.embed(input_ids) if input_embeds is None else input_embeds
-        return self.model(hidden, positions)
-
-    def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
-        """hidden [N, hidden] -> logits [N, vocab] (float32, or the model's dtype, as in Llama)."""
-        logits = self.lm_head(hidden)
-        return logits.float() if float32 else logits
+    decoder_cls = Lfm2Model
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy full (unsharded) Hugging Face tensors into this rank's parameters."""

@@ -210,13 +210,16 @@ class LlamaModel(nn.Module):
         return self.norm(hidden) if residual is None else self.norm.add_forward(hidden, residual)[0]
 
 
-class LlamaForCausalLM(nn.Module):
-    """Llama / Qwen2 / Qwen3 causal LM over a flat batch of T tokens."""
+class CausalLM(nn.Module):
+    """A decoder and its LM head over a flat batch of T tokens. Subclasses name the decoder
+    (``decoder_cls``, built from the spec, config and placement) and load their checkpoint."""
+
+    decoder_cls: type[nn.Module]
 
     def __init__(
         self,
         spec: ModelSpec,
-        config: LlamaConfig,
+        config: Any,
         tp_rank: int = 0,
         tp_size: int = 1,
         *,
@@ -227,7 +230,7 @@ class LlamaForCausalLM(nn.Module):
         self.spec = spec
         self.config = config
         placement = Placement(tp_rank, tp_size, dtype, device)
-        self.model = LlamaModel(spec, config, placement)
+        self.model = self.decoder_cls(spec, config, placement)
         self.lm_head = ParallelLMHead(spec.vocab_size, spec.hidden_size, **placement.parallel_args)
         if config.tie_word_embeddings:
             self.lm_head.tie_to(self.model.embed_tokens)
@@ -244,7 +247,8 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """input_ids, positions [T] int64 -> final hidden states [T, hidden].
 
-        ``input_embeds`` [T, hidden], where given, is used instead of embedding input_ids.
+        ``input_embeds`` [T, hidden], where given, is used instead of embedding input_ids
+        (as ``embed`` returns them).
         """
         hidden = self.embed(input_ids) if input_embeds is None else input_embeds
         return self.model(hidden, positions)
@@ -254,6 +258,12 @@ class LlamaForCausalLM(nn.Module):
         model's dtype (enough for an argmax: the cast is exact)."""
         logits = self.lm_head(hidden)
         return logits.float() if float32 else logits
+
+
+class LlamaForCausalLM(CausalLM):
+    """Llama / Qwen2 / Qwen3 causal LM over a flat batch of T tokens."""
+
+    decoder_cls = LlamaModel
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy full (unsharded) Hugging Face tensors into this rank's parameters."""

@@ -30,8 +30,10 @@ def add_workload_args(p: argparse.ArgumentParser, is_required: bool = True) -> N
     w.add_argument("--random-input-len", type=int, default=1024)
     w.add_argument("--random-output-len", type=int, default=128)
     w.add_argument("--random-range-ratio", type=float, default=0.0)
-    w.add_argument("--time-scale", type=float, default=1.0, help="trace: multiplies timestamps")
-    w.add_argument("--length-scale", type=float, default=1.0, help="trace: multiplies token lengths")
+    w.add_argument("--time-scale", "--trace-time-scale", dest="time_scale", type=float, default=1.0,
+                   help="trace: multiplies timestamps (bench serve's --trace-time-scale)")
+    w.add_argument("--length-scale", "--trace-length-scale", dest="length_scale", type=float, default=1.0,
+                   help="trace: multiplies token lengths (bench serve's --trace-length-scale)")
     w.add_argument("--loop-trace", action="store_true", help="trace: repeat it until the duration / request count")
     w.add_argument("--images-per-request", type=int, default=0)
     w.add_argument("--image-tiles", type=int, default=1, help="tiles per image (tokens = tiles x the profile's tokens_per_tile)")
@@ -89,6 +91,9 @@ def add_simulate_parser(subparsers: argparse._SubParsersAction) -> argparse.Argu
     r.add_argument("--max-detail-requests", type=int, default=10_000,
                    help="requests that keep inter-token gaps and timing (sampled evenly beyond)")
     r.add_argument("--out", default=None, help="write the result JSON (bench's keys) here")
+    r.add_argument("--compare-to", default=None, metavar="RESULT.json",
+                   help="a real run's result (bench serve --result-json on the same trace and scaling): print each "
+                        "metric's error and keep the comparison in the result")
     r.add_argument("--quiet", action="store_true", help="no table")
     p.set_defaults(func=run_simulate)
     return p
@@ -177,10 +182,12 @@ def run_simulate(ns: argparse.Namespace) -> int:
     from epdserve.bench.args import parse_goodput, parse_percentiles
     from epdserve.bench.report import format_table
     from epdserve.sim.cluster import ClusterSim, SimConfig
+    from epdserve.sim.compare import compare_results, format_comparison, load_result, mean_abs_error
     from epdserve.sim.cost_model import CostModel
     from epdserve.sim.results import build_sim_result
     from epdserve.sim.topology import parse_topology
 
+    real = load_result(ns.compare_to) if ns.compare_to else None  # a bad file fails before the run
     cost = CostModel.load(ns.profile)
     topology = parse_topology(ns.topology)
     slos = parse_goodput(ns.goodput)
@@ -197,6 +204,10 @@ def run_simulate(ns: argparse.Namespace) -> int:
         s = result["simulator"]
         print(f"simulated {s['sim_end_s']:.1f} s of {s['topology']} in {s['wall_time_s']:.1f} s "
               f"({s['num_events']} events)")
+    if real is not None:
+        rows = compare_results(result, real)
+        result["comparison"] = {"real_result": ns.compare_to, "metrics": rows, "mean_abs_error": mean_abs_error(rows)}
+        print(format_comparison(rows, ns.compare_to))
     if ns.out:
         write_json(result, ns.out, encode=msgspec.json.encode)
     return 0

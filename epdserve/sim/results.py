@@ -229,6 +229,7 @@ def build_sim_result(recorder: Recorder, model_id: str, request_rate: float, bur
     metrics = compute_metrics(outputs, duration, percentiles, goodput_slos_ms)
     info = RunInfo(backend="epdserve-sim", model_id=model_id, tokenizer_id=model_id, num_prompts=len(outputs),
                    request_rate=request_rate, burstiness=burstiness, max_concurrency=None)
-    result = build_result(info, outputs, duration, metrics, ttft_breakdown=recorder.ttft_breakdown_ms())
+    result = build_result(info, outputs, duration, metrics, ttft_breakdown=recorder.ttft_breakdown_ms(),
+                          goodput_slos_ms=goodput_slos_ms)
     result["simulator"] = {**simulator, "itl_sampled_every": recorder.detail_every}
     return result

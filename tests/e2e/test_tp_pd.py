@@ -10,7 +10,6 @@ prefill rank's two heads over two decode ranks. Gemma-3 has one KV head, replica
 from __future__ import annotations
 
 import glob
-import os
 
 import httpx
 import pytest

@@ -353,6 +353,38 @@ def test_cli_simulate_writes_the_result(tmp_path, capsys):
     assert "Serving Benchmark Result" in capsys.readouterr().out
 
 
+def test_compare_to_a_real_result_prints_each_metrics_error(tmp_path, capsys):
+    """``--compare-to``: the same run simulated twice stands in for a real result (the bench
+    keys match), then one whose TTFT is doubled: the errors are exact."""
+    from epdserve.cli import main
+    from epdserve.sim.compare import compare_results
+
+    good = _write(tmp_path, json.dumps(profile_dict()))
+    args = ["simulate", "--profile", good, "--topology", "prefill=1,decode=1", "--workload", "random", "--rate", "4",
+            "--num-requests", "20", "--random-input-len", "64", "--random-output-len", "8",
+            "--goodput", "ttft:500", "tpot:50"]
+    first = tmp_path / "first.json"
+    assert main([*args, "--out", str(first)]) == 0
+    real = json.loads(first.read_text())
+    real["median_ttft_ms"] *= 2
+    real["request_goodput"] = real["request_goodput"] or 1.0
+    slower = tmp_path / "real.json"
+    slower.write_text(json.dumps(real))
+    capsys.readouterr()
+    out = tmp_path / "second.json"
+    assert main([*args, "--compare-to", str(slower), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "-50.0 %" in printed and "median_ttft_ms" in printed and "mean absolute error" in printed
+    rows = {r["metric"]: r for r in json.loads(out.read_text())["comparison"]["metrics"]}
+    assert rows["median_ttft_ms"]["error"] == pytest.approx(-0.5)
+    assert rows["p99_tpot_ms"]["error"] == pytest.approx(0.0) and "request_goodput" in rows
+    # goodput under other SLOs is not compared; a file that is no result is a one-line error
+    assert "request_goodput" not in {r["metric"] for r in compare_results({**real, "goodput_slos_ms": None}, real)}
+    (tmp_path / "no.json").write_text("{}")
+    assert main([*args, "--compare-to", str(tmp_path / "no.json")]) == 2
+    assert "not a bench result" in capsys.readouterr().err
+
+
 def test_request_too_large_for_the_kv_cache_is_a_config_error():
     with pytest.raises(ConfigError, match="holds"):
         run(profile_dict(num_kv_blocks=4), "colocated=1", fixed_workload([0.0], [100], [4]))

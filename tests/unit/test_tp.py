@@ -15,7 +15,6 @@ import textwrap
 import time
 
 import pytest
-import torch
 
 from epdserve.config import EngineArgs
 from epdserve.engine.engine import LLMEngine
