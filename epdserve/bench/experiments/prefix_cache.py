@@ -13,9 +13,12 @@ usually evicted before its next turn arrives:
     prefix-aware            prefix-aware    none
     prefix-aware+tiers      prefix-aware    host (shared memory) + disk
 
-on two colocated workers (one core each) and, to show bytes moved prefill -> decode, on one
-prefill and one decode worker. Reported per arm and rate: goodput at the SLO, TTFT P50/P99,
-prompt tokens served from each tier (the server's per-request ``timing``), KV bytes P -> D.
+on two prefill workers and one decode worker (2P1D), each held to two thirds of a core by a
+CPU quota (``cpu_quota.py``: three machines of that size on the host's two cores, so a busy
+worker cannot take an idle one's share). Earlier runs of this experiment used two colocated
+workers (one core each) and 1P1D; ``TOPOLOGIES`` keeps them. Reported per arm and rate:
+goodput at the SLO, TTFT P50/P99, prompt tokens served from each tier (the server's
+per-request ``timing``), KV bytes P -> D and the bytes not sent (decode held them).
 
 Part 2, the crossover. One worker (one core) with a pool that holds one prompt: a prefix of
 L tokens is computed once, pushed out of the pool by a filler, then requested again with a
@@ -37,10 +40,12 @@ import httpx
 import numpy as np
 
 from epdserve.bench import BenchError
+from epdserve.bench.experiments import cpu_quota
 from epdserve.bench.experiments.launch import (
     RunningServer,
     auth_headers,
     epdserve_cmd,
+    list_workers,
     run_command,
     start_server,
     stop_server,
@@ -60,11 +65,13 @@ ARMS = {  # name -> (routing, with tiers)
     "prefix-aware+tiers": ("prefix-aware", True),
 }
 TOPOLOGIES = {
+    "prefill=2,decode=1": ["--prefill-workers", "2", "--decode-workers", "1", "--cores-per-worker", "1"],
     "colocated=2": ["--colocated-workers", "2", "--cores-per-worker", "1"],
     "prefill=1,decode=1": ["--prefill-workers", "1", "--decode-workers", "1", "--cores-per-worker", "1"],
 }
-# P/D with one prefill worker: routing has one candidate, so only tiers against none
-PD_ARMS = ("least-prefill", "prefix-aware+tiers")
+MAIN_TOPOLOGY = "prefill=2,decode=1"  # what the experiment runs (every arm, every rate) and its goals judge
+# Cores per worker by a CPU quota (topologies with more workers than the host has cores).
+QUOTAS = {"prefill=2,decode=1": 2 / 3}
 
 
 @dataclass(frozen=True)
@@ -74,7 +81,6 @@ class Scale:
     max_input_len: int  # trace tokens, before length_scale
     length_scale: float
     durations_s: tuple[float, ...]  # the subset replayed over each of these (one rate each)
-    pd_duration_s: float  # P/D arms: one duration
     slo_ttft_ms: float
     slo_tpot_ms: float
     num_kv_blocks: int  # per worker
@@ -85,9 +91,9 @@ class Scale:
     crossover_reps: int
 
 
-FULL = Scale(32, 4, 9600, 0.1, (240.0, 150.0, 110.0), 150.0, 1000.0, 100.0, 128, 0.25, 1.0, 2048,
+FULL = Scale(32, 4, 9600, 0.1, (240.0, 150.0, 110.0), 1000.0, 100.0, 128, 0.25, 1.0, 2048,
              (32, 64, 128, 256, 512, 1024, 1536), 3)
-QUICK = Scale(3, 4, 9600, 0.05, (20.0,), 20.0, 20000.0, 2000.0, 64, 0.1, 0.2, 1024, (32, 128), 1)
+QUICK = Scale(3, 4, 9600, 0.05, (20.0,), 20000.0, 2000.0, 64, 0.1, 0.2, 1024, (32, 128), 1)
 
 
 # ---------------------------------------------------------------- part 1: the trace
@@ -204,8 +210,9 @@ def summarize_level(result: dict, duration_s: float) -> dict:
 
 
 def run_trace_arm(topology: str, arm: str, durations: tuple[float, ...], subset: Path, span_s: float,
-                  scale: Scale, out_dir: Path, commands: list[str]) -> list[dict]:
-    """A fresh server per rate (a rate's cache must not warm the next), the trace replayed once."""
+                  scale: Scale, out_dir: Path, commands: list[str], use_quota: bool) -> list[dict]:
+    """A fresh server per rate (a rate's cache must not warm the next), the trace replayed once;
+    with ``use_quota`` each worker held to the topology's share of a core."""
     levels = []
     for duration in durations:
         tag = f"{topology}_{arm}_{duration:g}s".replace("=", "").replace(",", "_").replace("+", "_")
@@ -214,10 +221,16 @@ def run_trace_arm(topology: str, arm: str, durations: tuple[float, ...], subset:
         commands.append(server.command)
         result_path = out_dir / "runs" / f"{tag}.json"
         result_path.parent.mkdir(parents=True, exist_ok=True)
+        quotas = cpu_quota.CpuQuotas(QUOTAS[topology]) if use_quota and topology in QUOTAS else None
         try:
+            if quotas is not None:
+                for worker in list_workers(server):
+                    quotas.limit(worker["pid"], worker["id"])
             run_command(bench_cmd(server, subset, duration / span_s, scale, result_path), commands)
         finally:
             stop_server(server)
+            if quotas is not None:
+                quotas.close()
             shutil.rmtree(disk_dir, ignore_errors=True)
         level = summarize_level(json.loads(result_path.read_text(encoding="utf-8")), duration)
         print(f"{topology} {arm} {level['request_rate']:.2f} req/s: goodput {level['request_goodput']:.2f}, "
@@ -309,16 +322,17 @@ def run(out_dir: Path, quick: bool) -> str:
     subset = out_dir / "mooncake_conversation_subset.jsonl"
     write_subset(records, subset)
     stats = subset_stats(records, scale)
+    why = cpu_quota.available()
+    if why is not None and not quick:
+        raise BenchError(f"prefix-cache holds each worker of {MAIN_TOPOLOGY} to a CPU quota and cannot here: {why}")
     commands: list[str] = []
-    trace_results: dict[str, dict[str, list[dict]]] = {}
-    for topology in TOPOLOGIES:
-        arms = ARMS if topology == "colocated=2" else PD_ARMS
-        durations = scale.durations_s if topology == "colocated=2" else (scale.pd_duration_s,)
-        trace_results[topology] = {arm: run_trace_arm(topology, arm, durations, subset, stats["span_s"], scale,
-                                                      out_dir, commands) for arm in arms}
+    durations = scale.durations_s if not quick else scale.durations_s[:1]
+    trace_results = {MAIN_TOPOLOGY: {arm: run_trace_arm(MAIN_TOPOLOGY, arm, durations, subset, stats["span_s"], scale,
+                                                        out_dir, commands, why is None) for arm in ARMS}}
     crossover = {name: crossover_arm(name, scale, out_dir, commands) for name in CROSSOVER_ARMS}
-    results = {"scale": asdict(scale), "workload": stats, "trace": trace_results,
-               "goals": goals(trace_results.get("colocated=2", {})), "crossover": crossover, "commands": commands}
+    results = {"scale": asdict(scale), "workload": stats, "topology": MAIN_TOPOLOGY,
+               "cpu_share": QUOTAS[MAIN_TOPOLOGY] if why is None else None, "trace": trace_results,
+               "goals": goals(trace_results[MAIN_TOPOLOGY]), "crossover": crossover, "commands": commands}
     plots = write_plots(results, out_dir)
     report = build_report(results, experiment, [p.name for p in plots])
     write_outputs(out_dir, results, report)

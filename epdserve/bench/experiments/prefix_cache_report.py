@@ -30,6 +30,7 @@ def trace_rows(levels_by_arm: dict[str, list[dict]]) -> list[list]:
 
 
 def pd_rows(levels_by_arm: dict[str, list[dict]]) -> list[list]:
+    """Where the P/D arms' prompts came from and what moved prefill -> decode."""
     return [[arm, lv["request_rate"], lv["request_goodput"], lv["ttft_p50_ms"], lv["ttft_p99_ms"],
              pct(lv["hit_share"]["pool"]), pct(lv["hit_share"]["host"] + lv["hit_share"]["disk"]),
              pct(lv["decode_cached_share"]), f"{lv['kv_bytes_p_to_d'] / 2**20:.0f}",
@@ -73,8 +74,11 @@ def crossover_table(crossover: dict[str, list[dict]]) -> tuple[list[str], list[l
 
 def build_report(results: dict, run: ExperimentRun, plot_names: list[str]) -> str:
     scale, work = results["scale"], results["workload"]
-    colocated = results["trace"].get("colocated=2", {})
-    pd = results["trace"].get("prefill=1,decode=1", {})
+    topology = results["topology"]
+    levels = results["trace"][topology]
+    share = results.get("cpu_share")
+    machines = (f"each worker held to {share:.2f} of a core by a CPU quota (a machine of that size)" if share
+                else "no CPU quota (the cgroup controller was not writable here): the workers share the cores")
     goal_rows = results["goals"]
     headers, rows = crossover_table(results["crossover"])
     lines = [
@@ -87,17 +91,17 @@ def build_report(results: dict, run: ExperimentRun, plot_names: list[str]) -> st
          f"the trace's {work['span_s']:.0f} s compressed to each replay duration (the rate). "
          f"{pct(work['reusable_prompt_share'])} of prompt tokens repeat an earlier request's prefix (the ceiling "
          f"of any cache's hit rate). Pool: {scale['num_kv_blocks']} blocks of 16 tokens per worker (a few "
-         f"conversations); tiers: host {scale['host_tier_gib']:g} GiB (shared memory, both workers), disk "
+         f"conversations); tiers: host {scale['host_tier_gib']:g} GiB (shared memory, every worker of the host), disk "
          f"{scale['disk_tier_gib']:g} GiB. SLO per request: TTFT ≤ {scale['slo_ttft_ms']:g} ms and TPOT ≤ "
          f"{scale['slo_tpot_ms']:g} ms; goodput = requests/s within it. A fresh server per arm and rate."),
         "",
         *run.header_lines(),
         "",
-        "## Two colocated workers (one core each)",
+        f"## {topology}: {machines}",
         "",
         markdown_table(["arm", "rate (req/s)", "goodput (req/s)", "within SLO", "TTFT P50 (ms)", "TTFT P99 (ms)",
                         "TPOT P99 (ms)", "prompt from pool", "from host tier", "from disk tier", "failed"],
-                       trace_rows(colocated)),
+                       trace_rows(levels)),
         "",
         f"Goals (prefix-aware with tiers against least-prefill without, same rate): goodput ≥ "
         f"{GOAL_GOODPUT_RATIO:g}×, TTFT P99 ≥ {100 * GOAL_TTFT_P99_CUT:.0f} % lower.",
@@ -107,11 +111,11 @@ def build_report(results: dict, run: ExperimentRun, plot_names: list[str]) -> st
                          None if g["ttft_p99_cut"] is None else pct(g["ttft_p99_cut"]),
                          verdict(g["is_goodput_met"]), verdict(g["is_ttft_met"])] for g in goal_rows]),
         "",
-        "## One prefill and one decode worker (one core each)",
+        "Prefill → decode (every arm and rate):",
         "",
         markdown_table(["arm", "rate (req/s)", "goodput (req/s)", "TTFT P50 (ms)", "TTFT P99 (ms)",
                         "prefill: from pool", "prefill: from tiers", "decode held", "KV P→D (MiB)",
-                        "KV not sent (MiB)"], pd_rows(pd)),
+                        "KV not sent (MiB)"], pd_rows(levels)),
         "",
         "## Reload or recompute",
         "",
@@ -135,9 +139,9 @@ def build_report(results: dict, run: ExperimentRun, plot_names: list[str]) -> st
 def write_plots(results: dict, out_dir: Path) -> list[Path]:
     plt = pyplot()
     paths = []
-    colocated = results["trace"].get("colocated=2", {})
+    topology = results["topology"]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
-    for arm, levels in colocated.items():
+    for arm, levels in results["trace"][topology].items():
         rates = [lv["request_rate"] for lv in levels]
         ax1.plot(rates, [lv["request_goodput"] for lv in levels], marker="o", label=arm)
         ax2.plot(rates, [lv["ttft_p99_ms"] or 0 for lv in levels], marker="o", label=arm)
@@ -147,7 +151,7 @@ def write_plots(results: dict, out_dir: Path) -> list[Path]:
     ax2.set_ylabel("TTFT P99 (ms)")
     ax2.set_yscale("log")
     ax1.legend()
-    ax1.set_title("Mooncake conversations, colocated=2")
+    ax1.set_title(f"Mooncake conversations, {topology}")
     paths.append(save_figure(fig, out_dir / "trace_goodput_ttft.png"))
 
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
