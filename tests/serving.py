@@ -91,4 +91,5 @@ def _alive(pid: int) -> bool:
 
 
 def shm_segments(pid: int) -> list[str]:
-    return glob.glob(f"/dev/shm/epdserve-kv-{pid}-*")
+    """The shared-memory segments process ``pid`` created (KV pools, fences, state, slabs)."""
+    return glob.glob(f"/dev/shm/epdserve-*-{pid}-*")

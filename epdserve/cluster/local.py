@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from epdserve.engine.failures import EXIT_FATAL
 from epdserve.envs import EPDSERVE_CLUSTER_KEY
 from epdserve.errors import ConfigError
+from epdserve.transfer.shm_pool import unlink_segments_of
 
 log = logging.getLogger("epdserve.local")
 
@@ -101,6 +102,7 @@ def stop_workers(workers: list[LocalWorker], timeout_s: float = 10.0) -> None:
         except subprocess.TimeoutExpired:
             w.process.kill()
             w.process.wait()
+        unlink_segments_of(w.pid)  # reaped: what a killed worker could not close
 
 
 def describe_exit(returncode: int) -> str:
@@ -214,6 +216,7 @@ class WorkerSupervisor:
             return
         worker = self._workers[worker_id]
         returncode = worker.process.wait()  # it has exited: this reaps it at once
+        self._release_shared_memory(worker)
         if returncode == 0:  # asked to stop (SIGTERM, SIGINT, Shutdown), e.g. Ctrl-C to the group
             log.warning("worker %s (pid %d) stopped cleanly; not restarted", worker_id, worker.pid)
             return
@@ -226,6 +229,15 @@ class WorkerSupervisor:
         log.warning("worker %s (pid %d) stopped: %s; restarting it in %g s",
                     worker_id, worker.pid, how, delay)
         self._timers[worker_id] = asyncio.get_running_loop().call_later(delay, self._restart, worker_id)
+
+    @staticmethod
+    def _release_shared_memory(worker: LocalWorker) -> None:
+        """A worker that died without closing (killed) leaves its KV pool, fence and slab
+        segments behind; it has been reaped, so its pid names only its own."""
+        removed = unlink_segments_of(worker.pid)
+        if removed:
+            log.warning("worker %s (pid %d) left %d shared-memory segments: unlinked", worker.worker_id,
+                        worker.pid, len(removed))
 
     def _next_delay(self, state: _RestartState, now: float) -> float | None:
         """The back-off before restarting (and count the restart), or None: restart no more."""

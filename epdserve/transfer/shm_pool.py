@@ -18,6 +18,32 @@ from epdserve.transfer.descriptors import KVEndpoint
 from epdserve.transfer.locality import this_node
 
 
+# Every shared-memory segment a process of this project creates is named
+# ``<prefix>-<creating pid>-<random>`` (KV pools and their ranks', state slots, write fences,
+# embedding slabs): what a process that died without closing them left behind can be found.
+SEGMENT_PREFIXES = ("epdserve-kv", "epdserve-kv-rank", "epdserve-state", "epdserve-fence", "epdserve-emb")
+SHM_DIR = "/dev/shm"
+
+
+def unlink_segments_of(pid: int, shm_dir: str = SHM_DIR) -> list[str]:
+    """Unlink the segments process ``pid`` created; call it only once ``pid`` has exited (a
+    worker killed before its close). Returns their names."""
+    removed = []
+    try:
+        names = os.listdir(shm_dir)
+    except OSError:
+        return removed
+    for name in names:
+        prefix, sep, rest = name.rpartition(f"-{pid}-")
+        if sep and prefix in SEGMENT_PREFIXES and rest and "-" not in rest:
+            try:
+                os.unlink(os.path.join(shm_dir, name))
+                removed.append(name)
+            except OSError:
+                pass
+    return removed
+
+
 def _layer_numels(num_blocks: int, block_size: int, layer_shapes: list[tuple[int, int]]) -> list[int]:
     return [2 * num_blocks * block_size * heads * dim for heads, dim in layer_shapes]
 

@@ -298,8 +298,9 @@ def test_api_key_shm_mode_and_cleanup_after_router_crash(tmp_path):
     server = start_server(SMALL + ["--api-key", "sekret"], str(tmp_path))
     try:
         decode = next(w for w in server.workers() if w["role"] == "decode")
-        segments = shm_segments(decode["pid"])
-        assert len(segments) == 1 and (os.stat(segments[0]).st_mode & 0o777) == 0o600
+        segments = shm_segments(decode["pid"])  # its KV pool and its write fence
+        assert sorted(os.path.basename(s).split("-")[1] for s in segments) == ["fence", "kv"]
+        assert all((os.stat(s).st_mode & 0o777) == 0o600 for s in segments)
         r = httpx.post(f"{server.url}/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
         assert r.status_code == 401 and r.json()["error"]["type"] == "AuthenticationError"
         r = httpx.post(f"{server.url}/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2},

@@ -126,3 +126,17 @@ def test_shm_writer_checks_the_owner_fence():
 
 def _endpoint_fields(endpoint: KVEndpoint) -> dict:
     return {f: getattr(endpoint, f) for f in endpoint.__struct_fields__}
+
+
+def test_segments_of_a_dead_process_are_found_by_its_pid(tmp_path):
+    from epdserve.transfer.shm_pool import unlink_segments_of
+
+    names = ["epdserve-kv-123-ab12cd34", "epdserve-kv-rank-123-00ff00ff", "epdserve-fence-123-1a2b3c4d",
+             "epdserve-state-123-deadbeef", "epdserve-emb-123-01234567",
+             "epdserve-kv-1234-ab12cd34", "epdserve-kv-12-ab12cd34", "other-123-ab12cd34", "epdserve-kv-123"]
+    for name in names:
+        (tmp_path / name).write_bytes(b"x")
+    removed = unlink_segments_of(123, str(tmp_path))
+    assert sorted(removed) == sorted(names[:5])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(names[5:])
+
