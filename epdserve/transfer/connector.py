@@ -24,6 +24,7 @@ so its KV of layer l is in its pages.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -394,13 +395,8 @@ class KVPusher:
             self._push_state(layer, group)
             return
         srcs = [flats[layer] for flats in self._srcs]
-        for item in self._items:
-            link = self.links.get(item.target)
-            if link is None or item.request_id not in self._targets or not len(item.src_slots[group]):
-                continue
+        for item, link, start in self._pushable(group):
             rid = item.request_id
-            start = time.time()
-            self._started.setdefault(rid, start)
             plan = self._plans[item.target]
             slots = item.src_slots[group]
             # A shared-memory write is done when ``write`` returns: the staging buffer serves
@@ -430,29 +426,37 @@ class KVPusher:
                                   item.dst_block_ids[group], dst_rank):
                     self._finish(rid, ok=False)  # the reservation ended: nothing more is written
                     break
-                by_group = self._bytes.setdefault(rid, [0] * self.num_groups)
-                by_group[group] += kv.numel() * kv.element_size()
+                self._count(rid, group, kv)
             else:
                 self._blocking[rid] = self._blocking.get(rid, 0.0) + time.time() - start
 
     def _push_state(self, layer: int, group: int) -> None:
         """The requests' recurrent state in ``layer`` into their slots on the decode worker."""
         state = self.state_caches[layer]  # type: ignore[index]
-        for item in self._items:
-            link = self.links.get(item.target)
-            if link is None or item.request_id not in self._targets or not len(item.src_slots[group]):
-                continue
+        for item, link, start in self._pushable(group):
             rid = item.request_id
-            start = time.time()
-            self._started.setdefault(rid, start)
             rows = state.index_select(0, item.src_slots[group]).cpu()
             if not link.write(rid, item.generation, layer, group, rows, item.dst_slots[group],
                               item.dst_block_ids[group]):
                 self._finish(rid, ok=False)
                 continue
             self._blocking[rid] = self._blocking.get(rid, 0.0) + time.time() - start
-            by_group = self._bytes.setdefault(rid, [0] * self.num_groups)
-            by_group[group] += rows.numel() * rows.element_size()
+            self._count(rid, group, rows)
+
+    def _pushable(self, group: int) -> Iterator[tuple[PushItem, PeerLink, float]]:
+        """This step's items with something of ``group`` to push over a live link: (item, its
+        link, when its push of this layer started)."""
+        for item in self._items:
+            link = self.links.get(item.target)
+            if link is None or item.request_id not in self._targets or not len(item.src_slots[group]):
+                continue
+            start = time.time()
+            self._started.setdefault(item.request_id, start)
+            yield item, link, start
+
+    def _count(self, request_id: str, group: int, sent: torch.Tensor) -> None:
+        by_group = self._bytes.setdefault(request_id, [0] * self.num_groups)
+        by_group[group] += sent.numel() * sent.element_size()
 
     def poll(self) -> list[TransferStats]:
         """Transfers that completed or failed since the last poll."""

@@ -44,6 +44,17 @@ def unlink_segments_of(pid: int, shm_dir: str = SHM_DIR) -> list[str]:
     return removed
 
 
+def create_segment(prefix: str, size: int) -> shared_memory.SharedMemory:
+    """A new segment ``<prefix>-<this pid>-<random>`` of ``size`` bytes, readable and writable
+    by this user only."""
+    name = f"{prefix}-{os.getpid()}-{secrets.token_hex(4)}"
+    old_umask = os.umask(0o077)
+    try:
+        return shared_memory.SharedMemory(name=name, create=True, size=size)
+    finally:
+        os.umask(old_umask)
+
+
 def _layer_numels(num_blocks: int, block_size: int, layer_shapes: list[tuple[int, int]]) -> list[int]:
     return [2 * num_blocks * block_size * heads * dim for heads, dim in layer_shapes]
 
@@ -84,13 +95,7 @@ class SharedKVPool:
     ) -> SharedKVPool:
         itemsize = torch.tensor([], dtype=dtype).element_size()
         size = sum(_layer_numels(num_blocks, block_size, layer_shapes)) * itemsize
-        name = f"{name_prefix}-{os.getpid()}-{secrets.token_hex(4)}"
-        old_umask = os.umask(0o077)  # segment readable and writable by this user only
-        try:
-            segment = shared_memory.SharedMemory(name=name, create=True, size=size)
-        finally:
-            os.umask(old_umask)
-        pool = cls(segment, True, num_blocks, block_size, layer_shapes, dtype)
+        pool = cls(create_segment(name_prefix, size), True, num_blocks, block_size, layer_shapes, dtype)
         pool._flat.zero_()
         return pool
 
@@ -178,13 +183,7 @@ class SharedStatePool:
     @classmethod
     def create(cls, num_slots: int, shapes: list[tuple[int, ...]], dtype: torch.dtype,
                name_prefix: str = "epdserve-state") -> SharedStatePool:
-        name = f"{name_prefix}-{os.getpid()}-{secrets.token_hex(4)}"
-        old_umask = os.umask(0o077)
-        try:
-            segment = shared_memory.SharedMemory(name=name, create=True, size=cls._size(num_slots, shapes, dtype))
-        finally:
-            os.umask(old_umask)
-        pool = cls(segment, True, num_slots, shapes, dtype)
+        pool = cls(create_segment(name_prefix, cls._size(num_slots, shapes, dtype)), True, num_slots, shapes, dtype)
         pool._flat.zero_()
         return pool
 
