@@ -55,6 +55,20 @@ def create_segment(prefix: str, size: int) -> shared_memory.SharedMemory:
         os.umask(old_umask)
 
 
+def attach_segment(name: str, min_bytes: int) -> shared_memory.SharedMemory:
+    """Map another process's segment ``name`` (its owner unlinks it, not this process);
+    ValueError when it holds fewer than ``min_bytes``."""
+    segment = shared_memory.SharedMemory(name=name, create=False)
+    try:
+        resource_tracker.unregister(segment._name, "shared_memory")  # type: ignore[attr-defined]
+    except Exception:
+        pass
+    if segment.size < min_bytes:
+        segment.close()
+        raise ValueError(f"shared segment {name} is smaller than its layout says")
+    return segment
+
+
 def _layer_numels(num_blocks: int, block_size: int, layer_shapes: list[tuple[int, int]]) -> list[int]:
     return [2 * num_blocks * block_size * heads * dim for heads, dim in layer_shapes]
 
@@ -111,16 +125,8 @@ class SharedKVPool:
     def attach_named(cls, name: str, num_blocks: int, block_size: int, layer_shapes: list[tuple[int, int]],
                      dtype: torch.dtype) -> SharedKVPool:
         """Map another process's pool ``name``; ValueError when it is smaller than the layout."""
-        segment = shared_memory.SharedMemory(name=name, create=False)
-        # The owner unlinks the segment; this process must not do it at its exit.
-        try:
-            resource_tracker.unregister(segment._name, "shared_memory")  # type: ignore[attr-defined]
-        except Exception:
-            pass
         expected = sum(_layer_numels(num_blocks, block_size, layer_shapes))
-        if segment.size < expected * torch.tensor([], dtype=dtype).element_size():
-            segment.close()
-            raise ValueError(f"shared KV pool {name} is smaller than its layout says")
+        segment = attach_segment(name, expected * torch.tensor([], dtype=dtype).element_size())
         return cls(segment, False, num_blocks, block_size, layer_shapes, dtype)
 
     @property
@@ -190,16 +196,9 @@ class SharedStatePool:
     @classmethod
     def attach(cls, endpoint: KVEndpoint) -> SharedStatePool:
         """The state pool an endpoint names; ValueError when it is smaller than it says."""
-        segment = shared_memory.SharedMemory(name=endpoint.state_shm_name, create=False)
-        try:
-            resource_tracker.unregister(segment._name, "shared_memory")  # type: ignore[attr-defined]
-        except Exception:
-            pass
         dtype = getattr(torch, endpoint.dtype)
         shapes = [tuple(s) for s in endpoint.state_shapes]
-        if segment.size < cls._size(endpoint.num_state_slots, shapes, dtype):
-            segment.close()
-            raise ValueError(f"shared state pool {endpoint.state_shm_name} is smaller than its endpoint says")
+        segment = attach_segment(endpoint.state_shm_name, cls._size(endpoint.num_state_slots, shapes, dtype))
         return cls(segment, False, endpoint.num_state_slots, shapes, dtype)
 
     @property
