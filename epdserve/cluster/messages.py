@@ -335,6 +335,9 @@ class SlabUp(Msg):
     slab: SlabEndpoint
 
 
+MAX_RESERVE_WAIT_S = 86400.0
+
+
 class Reserve(Msg):
     request_id: str
     num_prompt_tokens: int
@@ -343,6 +346,9 @@ class Reserve(Msg):
     # the leading blocks it has cached.
     block_hashes: list[bytes] = []
     has_images: bool = False  # the decode worker cannot name blocks past ``block_hashes`` itself
+    # Seconds the reservation may wait, first come first served, for blocks or a sequence seat
+    # the decode worker has not free now; then it is refused. 0: refuse at once when full.
+    max_wait_s: Annotated[float, msgspec.Meta(ge=0, le=MAX_RESERVE_WAIT_S)] = 0.0
 
 
 class StartDecode(Msg):

@@ -3,7 +3,9 @@
 Its KV pages live in shared memory, which prefill workers on its node write directly, and
 behind a TCP listener for prefill workers on other nodes (``auto``; ``shm`` or ``tcp`` offer
 only one); the endpoint it registers says what it offers. ``Reserve`` takes blocks and opens a
-reservation in the fence (transfer/fence.py), so only writes of that reservation land;
+reservation in the fence (transfer/fence.py), so only writes of that reservation land; when no
+blocks or sequence seat are free it waits in a first-come-first-served queue for up to the
+router's ``max_wait_s`` (blocks come free as requests finish), then is refused;
 ``StartDecode`` starts the request once its KV is in place (KV that came over TCP: once its
 end marker landed). A reservation whose KV never lands expires after the lease; one that a
 peer's frame broke (it named blocks outside it, or more tokens than it holds) fails at once.
@@ -26,6 +28,7 @@ from epdserve.config import EngineArgs, resolve_device_name
 from epdserve.engine.block_pool import HASH_BYTES
 from epdserve.engine.engine import KVCacheAllocator
 from epdserve.engine.failures import describe, is_fatal
+from epdserve.engine.reservation_queue import ReservationQueue
 from epdserve.errors import InvalidRequestError
 from epdserve.models.loader import LoadedModel
 from epdserve.roles import Role
@@ -59,6 +62,7 @@ class DecodeWorker(LLMWorker):
         self._image_reservations: set[str] = set()  # reservations of prompts with images
         # Open reservations, request id -> (fence generation, monotonic time reserved).
         self._reservations: dict[str, tuple[int, float]] = {}
+        self._waiting: ReservationQueue[m.Reserve] = ReservationQueue()  # no blocks or seat free yet
         super().__init__(opts, engine_args, loaded, num_switches)
         caches = self.engine.kv_caches
         # The fence guards blocks and, of a state group, slots (ids of either kind).
@@ -125,6 +129,11 @@ class DecodeWorker(LLMWorker):
     def _transfer_load(self) -> dict:
         return {"num_kv_writes_refused": self.receiver.num_refused_frames if self.receiver else 0}
 
+    def load(self) -> m.Load:
+        """Reservations waiting for room count as waiting requests (the router's queue bound)."""
+        load = super().load()
+        return msgspec.structs.replace(load, num_waiting=load.num_waiting + len(self._waiting))
+
     # -- messages ------------------------------------------------------------------------
     def _handlers(self) -> dict[type, Handler]:
         return {**super()._handlers(), m.Reserve: self._on_reserve, m.StartDecode: self._on_start_decode,
@@ -178,12 +187,35 @@ class DecodeWorker(LLMWorker):
             self._send(m.Reserved(msg.request_id, False, reason=(
                 f"block_hashes must be at most one {HASH_BYTES}-byte key per full block of the prompt")))
             return
-        has_seat = self.engine.scheduler.can_reserve()
+        if (msg.request_id in self._waiting or self.engine.is_reserved(msg.request_id)
+                or msg.request_id in self.engine.scheduler.requests):
+            self._send(m.Reserved(msg.request_id, False, reason="the request holds a reservation here already"))
+            return
+        try:
+            self.engine.check_fits_kv_cache(msg.num_prompt_tokens)  # else no wait would help
+        except InvalidRequestError as e:
+            self._send(m.Reserved(msg.request_id, False, reason=str(e)))
+            return
+        if not self._waiting.offer(msg.request_id, msg, msg.max_wait_s, time.monotonic(), self._try_reserve):
+            self._send(m.Reserved(msg.request_id, False, reason=self._full_reason()))
+
+    def _full_reason(self) -> str:
+        return ("no free KV blocks" if self.engine.scheduler.can_reserve()
+                else "every sequence seat (--max-num-seqs) is taken")
+
+    def _grant_waiting(self) -> None:
+        """Reserve for the waiting reservations in arrival order while there is room; refuse
+        those whose wait ran out."""
+        for request_id, msg in self._waiting.serve(time.monotonic(), self._try_reserve):
+            self._send(m.Reserved(request_id, False, reason=(
+                f"{self._full_reason()} for {msg.max_wait_s:g} s (--decode-queue-timeout)")))
+
+    def _try_reserve(self, _: str, msg: m.Reserve) -> bool:
+        """Take the blocks and answer ``Reserved``; False when there is no room now."""
+        block_size = self.engine.kv_cache.block_size
         block_ids = self.engine.reserve(msg.request_id, msg.num_prompt_tokens, msg.block_hashes)
         if block_ids is None:
-            reason = "no free KV blocks" if has_seat else "every sequence seat (--max-num-seqs) is taken"
-            self._send(m.Reserved(msg.request_id, False, reason=reason))
-            return
+            return False
         num_cached = self.engine.num_reserved_cached(msg.request_id)
         tables = [list(b) for b in block_ids]
         # Only the blocks after the cached prefix are written; the cached ones may be shared
@@ -194,11 +226,13 @@ class DecodeWorker(LLMWorker):
         if msg.has_images:
             self._image_reservations.add(msg.request_id)
         self._send(m.Reserved(msg.request_id, True, tables, generation, num_cached_tokens=num_cached))
+        return True
 
     def _on_start_decode(self, msg: m.StartDecode) -> None:
         self._pending_decode[msg.request_id] = msg
 
     def _drop(self, request_id: str) -> None:
+        self._waiting.remove(request_id)
         self._pending_decode.pop(request_id, None)
         self._end_reservation(request_id)
         if request_id in self._handovers:
@@ -210,7 +244,7 @@ class DecodeWorker(LLMWorker):
 
     def _held_request_ids(self) -> set[str]:
         return (super()._held_request_ids() | set(self._reservations) | set(self._pending_decode)
-                | self._handovers)
+                | self._handovers | self._waiting.request_ids())
 
     def _end_reservation(self, request_id: str) -> None:
         """The reservation's KV may no longer be written (landed, aborted or expired); call
@@ -251,7 +285,7 @@ class DecodeWorker(LLMWorker):
     def _after_step(self) -> None:
         """Hand-overs that ended; a reservation whose KV did not land within the lease: its
         blocks go back to the pool (after the fence refuses its writes) and the router hears
-        of it."""
+        of it; then waiting reservations take the room this step freed."""
         super()._after_step()
         if self._handovers:
             for stats in self.engine.poll_handovers():
@@ -260,16 +294,17 @@ class DecodeWorker(LLMWorker):
                     stats.request_id, stats.ok, stats.kv_bytes, stats.kv_bytes_skipped, stats.start, stats.end,
                     stats.exposed_s, stats.blocking_s, "" if stats.ok else "KV hand-over failed", stats.transport,
                     self.engine.kv_bytes_by_group(stats)))
-        if not self._reservations:
-            return
-        deadline = time.monotonic() - self.opts.reservation_lease_s
-        for request_id, (_, since) in list(self._reservations.items()):
-            if since < deadline:
-                self._pending_decode.pop(request_id, None)
-                self._end_reservation(request_id)
-                self.engine.release_reservation(request_id)
-                log.warning("reservation of %s expired after %g s", request_id, self.opts.reservation_lease_s)
-                self._send(m.ReservationExpired(request_id))
+        if self._reservations:
+            deadline = time.monotonic() - self.opts.reservation_lease_s
+            for request_id, (_, since) in list(self._reservations.items()):
+                if since < deadline:
+                    self._pending_decode.pop(request_id, None)
+                    self._end_reservation(request_id)
+                    self.engine.release_reservation(request_id)
+                    log.warning("reservation of %s expired after %g s", request_id, self.opts.reservation_lease_s)
+                    self._send(m.ReservationExpired(request_id))
+        if self._waiting:
+            self._grant_waiting()
 
     def _idle_timeout_ms(self) -> int:
         return 5 if self._handovers else super()._idle_timeout_ms()  # poll the hand-overs

@@ -242,11 +242,15 @@ class LLMEngine(PDRoles):
         prompt's KV blocks fit the cache."""
         limits = RequestLimits(vocab_size=self.loaded.spec.vocab_size, max_model_len=self.max_model_len)
         check_prompt_ids(prompt_token_ids, limits)
-        num = len(prompt_token_ids)
-        num_blocks_needed = self.kv_cache.num_blocks_for(num + 1)
-        if num_blocks_needed > self.kv_cache.num_blocks - 1:
+        self.check_fits_kv_cache(len(prompt_token_ids))
+
+    def check_fits_kv_cache(self, num_prompt_tokens: int) -> None:
+        """The prompt and its first output token fit this engine's whole KV cache (else no
+        amount of waiting lets it run here)."""
+        kv = self.kv_cache
+        if not kv.can_ever_hold_prompt(num_prompt_tokens):
             raise InvalidRequestError(
-                f"prompt needs {num_blocks_needed} KV blocks, the cache has {self.kv_cache.num_blocks - 1}"
+                f"prompt needs {kv.num_blocks_for_prompt(num_prompt_tokens)} KV blocks, the cache has {kv.num_blocks - 1}"
             )
 
     def add_request(

@@ -221,6 +221,14 @@ class KVCacheManager:
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def num_blocks_for_prompt(self, num_prompt_tokens: int) -> int:
+        """Blocks a prompt and its first output token take (at most: a sliding group takes fewer)."""
+        return self.num_blocks_for(num_prompt_tokens + 1)
+
+    def can_ever_hold_prompt(self, num_prompt_tokens: int) -> bool:
+        """The prompt and its first output token fit the whole pool (else no wait helps)."""
+        return self.num_blocks_for_prompt(num_prompt_tokens) <= self.num_blocks - 1
+
     # -- prefix cache --------------------------------------------------------------------
     def find_cached_prefix(self, request_id: str, token_ids: list[int]) -> PrefixHit:
         """Longest cached prefix of whole blocks, leaving at least one token to compute."""

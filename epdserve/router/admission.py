@@ -10,6 +10,8 @@ same rejections for the requests it refuses::
     the picked worker's queue is full                     429 worker_queue_full
     (last reported waiting + submitted since that report)
     a decode worker cannot reserve the prompt's blocks    503 no_kv_blocks
+    (the prompt can never fit, or no room came free
+    within --decode-queue-timeout)
     ... or does not answer the reservation in time        503 reservation_timeout
     a consumer's embedding slab is full                   503 embedding_slab_full
     images but nobody can encode them                     503 no_encoder (Retry-After 5)

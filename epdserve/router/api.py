@@ -308,14 +308,30 @@ def create_app(router: Router, served: ServedModel, api_key: str | None = None, 
                      ignored: list[str] | None = None) -> Response:
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         handles: list[RequestHandle] = []
-        try:
+
+        async def open_all() -> None:
             for i, (prompt_ids, prompt_params) in enumerate(zip(prompts_ids, params)):
                 path_id = request_id if len(prompts_ids) == 1 else f"{request_id}-{i}"
                 handles.append(await router.open(path_id, prompt_ids, prompt_params, images, arrived))
-        except Overloaded as e:
+
+        # Admission may wait (a P/D reservation queued at a full decode worker): a client that
+        # leaves meanwhile takes its place in that queue with it.
+        opener = asyncio.ensure_future(open_all())
+        watcher = asyncio.ensure_future(_wait_disconnect(request))
+        await asyncio.wait({opener, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        watcher.cancel()
+        if not opener.done():
+            opener.cancel()
+            await asyncio.gather(opener, return_exceptions=True)
+        if opener.cancelled() or opener.exception() is not None:
             for handle in handles:  # a batch is all or nothing
                 router.abort(handle.request_id)
-            return error_response(e.status, str(e), retry_after=e.retry_after)
+            error = None if opener.cancelled() else opener.exception()
+            if isinstance(error, Overloaded):
+                return error_response(error.status, str(error), retry_after=error.retry_after)
+            if error is not None:
+                raise error
+            return Response(status_code=499)
         fmt = Formatter(request_id, served.names[0], chat, served.tokenizer, bool(body.return_timing), params[0].n,
                         num_prompts=len(handles), echo=echo, tools=tools)
         headers = {"Warning": _warning(ignored)} if ignored else {}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from epdserve.cluster.messages import MAX_RESERVE_WAIT_S
 from epdserve.errors import EpdserveError
 from epdserve.router.admission import ADMISSION_POLICIES, DEFAULT_MAX_PENDING, DEFAULT_MAX_WAITING_PER_WORKER
 from epdserve.router.role_control import RoleControlConfig
@@ -22,7 +23,9 @@ class RouterConfig:
     # is treated like a dead one; either way it serves again once it reconciles.
     step_timeout_s: float = 60.0
     first_token_timeout_s: float = 120.0  # admitted -> first token; then the request fails (0: none)
-    reserve_timeout_s: float = 5.0
+    reserve_timeout_s: float = 5.0  # for the decode worker's answer to a reservation, past its queue wait
+    # P/D: how long a reservation may wait at a full decode worker for blocks or a seat (then 503)
+    decode_queue_timeout_s: float = 60.0
     transfer_timeout_s: float = 30.0  # first token out -> KV landed; then the policy applies
     transfer_policy: str = "fail"  # "fail" | "recompute" (decode worker computes the prompt)
     max_pending: int = DEFAULT_MAX_PENDING  # requests in the router at once; beyond: 429
@@ -47,5 +50,8 @@ class RouterConfig:
             raise EpdserveError("role switching 'auto' needs the SLOs it keeps (role_control)")
         if self.transfer_policy not in TRANSFER_POLICIES:
             raise EpdserveError(f"transfer policy must be fail or recompute, got {self.transfer_policy!r}")
+        if not 0 <= self.decode_queue_timeout_s <= MAX_RESERVE_WAIT_S:
+            raise EpdserveError(f"the decode queue timeout must be 0 to {MAX_RESERVE_WAIT_S:g} s, "
+                                f"got {self.decode_queue_timeout_s:g}")
         if self.heartbeat_timeout_s <= 0 or self.step_timeout_s <= 0 or self.first_token_timeout_s < 0:
             raise EpdserveError("the worker lease and step timeout must be positive, the first-token timeout >= 0")

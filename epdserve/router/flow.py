@@ -138,7 +138,8 @@ class RequestFlow:
 
     async def _reserve(self, path: Path, prompt_blocks: PromptBlocks, has_images: bool) -> None:
         """Reserve the path's blocks on a decode worker, naming the prompt's blocks by key so
-        the worker reuses the ones it has cached."""
+        the worker reuses the ones it has cached; a full decode worker queues the reservation
+        for up to ``decode_queue_timeout_s``."""
         decode = self._pick_for_queue(Role.DECODE, prompt_blocks)
         path.phase = Phase.RESERVING
         path.decode = decode.worker_id
@@ -146,10 +147,11 @@ class RequestFlow:
         self._add_path(path, decode, 0)
         block_size = decode.registration.block_size
         hashes = prompt_blocks.hashes(block_size)
+        max_wait_s = self.config.decode_queue_timeout_s
         self.channel.submit(decode.worker_id, m.Reserve(path.path_id, len(path.prompt_token_ids), hashes,
-                                                        has_images))
+                                                        has_images, max_wait_s))
         try:
-            await asyncio.wait_for(asyncio.shield(path.reserved), self.config.reserve_timeout_s)
+            await asyncio.wait_for(asyncio.shield(path.reserved), max_wait_s + self.config.reserve_timeout_s)
         except asyncio.TimeoutError:
             raise Overloaded(admission.reservation_timeout()) from None
         except _ReservationRefused as e:

@@ -65,6 +65,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         "(it serves again once its heartbeats return and it reconciles)")
     d.add_argument("--step-timeout", type=float, default=60.0,
                    help="seconds one worker step may run before the worker is treated like a dead one")
+    d.add_argument("--decode-queue-timeout", type=float, default=60.0, metavar="SECONDS",
+                   help="P/D: seconds a request may wait, first come first served, for KV blocks or a sequence "
+                        "seat on a full decode worker; then 503 no_kv_blocks (0: 503 at once)")
     d.add_argument("--reservation-lease", type=float, default=120.0,
                    help="decode workers: seconds a KV reservation waits for its KV before it expires")
     g.add_argument("--routing", choices=ROUTING_POLICIES, default=DEFAULT_ROUTING,
@@ -264,7 +267,8 @@ async def serve(ns: argparse.Namespace) -> int:
                           class_slos=class_slos, admission=ns.admission,
                           role_switching=ns.role_switching, role_control=role_control_config(ns, class_slos),
                           heartbeat_timeout_s=ns.worker_lease,
-                          step_timeout_s=ns.step_timeout, first_token_timeout_s=ns.first_token_timeout)
+                          step_timeout_s=ns.step_timeout, first_token_timeout_s=ns.first_token_timeout,
+                          decode_queue_timeout_s=ns.decode_queue_timeout)
     router = Router(key, config, host=router_host, port=ns.router_port)
     await router.start()
     started = time.monotonic()

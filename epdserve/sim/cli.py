@@ -68,6 +68,8 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
     c.add_argument("--kv-disk-tier-read-gbps", type=float, default=None,
                    help="the disk tier's read bandwidth in GB/s (default: the profile's measurement)")
     c.add_argument("--max-waiting-per-worker", type=int, default=None, help="router: queued per worker (default 256)")
+    c.add_argument("--decode-queue-timeout", type=float, default=60.0, metavar="SECONDS",
+                   help="P/D: seconds a request waits for room on a full decode instance (as serve's; 0: 503 at once)")
     c.add_argument("--heartbeat-s", type=float, default=0.2, help="load reports reach the router this often")
     c.add_argument("--no-fast-forward", action="store_true", help="step every decode step (slower, same result)")
     add_role_switching_args(c, ("off", "auto"))
@@ -157,6 +159,7 @@ def sim_config_kwargs(ns: argparse.Namespace) -> dict:
         "heartbeat_s": ns.heartbeat_s,
         "max_pending": ns.max_pending or DEFAULT_MAX_PENDING,
         "max_waiting_per_worker": ns.max_waiting_per_worker or DEFAULT_MAX_WAITING_PER_WORKER,
+        "decode_queue_timeout_s": ns.decode_queue_timeout,
         "max_model_len": ns.max_model_len,
         "enable_prefix_caching": not ns.no_prefix_caching,
         "is_mm_pipelined": not ns.no_pipeline,

@@ -4,7 +4,9 @@ The event loop, the instances and the heartbeat are ``loop.SimLoop``'s; this mod
 what happens to a request. Sampled tokens are a dummy id and requests stop at ``max_tokens``.
 
 The router is the real one's rules: ``WorkerRegistry.pick`` on heartbeat-reported load,
-``max_pending`` and per-worker queue limits (429), decode reservation refusal (503).
+``max_pending`` and per-worker queue limits (429), decode reservation refusal (503); a full
+decode instance queues reservations first come first served for up to
+``decode_queue_timeout_s``, granted at its step ends as the decode worker does.
 P/D: reserve on decode, prefill with ``hold_kv_for_transfer``; the first token leaves at
 prefill end; KV goes layer by layer over the prefill instance's link; decode starts
 (``add_prefilled``) when the last layer is out, and prefill frees its blocks then.
@@ -95,9 +97,20 @@ class ClusterSim(SimLoop):
         blocks = None
         answer_at = None  # when a busy decode instance answers the reservation
         if self.is_split:
-            blocks, answer_at = self._reserve(first, rid, num_prompt)
-            if blocks is None:
+            if not first.kv_cache.can_ever_hold_prompt(num_prompt):
                 return self._reject(index, num_prompt, reservation_refused(f"no room for {num_prompt + 1} tokens"))
+            reserved: list = []
+
+            def try_reserve(_: str, __: Flight) -> bool:
+                reserved[:] = self._reserve(first, rid, num_prompt)
+                return reserved[0] is not None
+
+            if not first.reserve_queue.offer(rid, flight, config.decode_queue_timeout_s, now, try_reserve):
+                return self._reject(index, num_prompt, reservation_refused(f"no room for {num_prompt + 1} tokens"))
+            if reserved and reserved[0] is not None:
+                blocks, answer_at = reserved
+            else:
+                self._sync(first)  # waiting: the queue is served at its step ends
             flight.decode = first
             first.worker.take(rid)
         else:
@@ -107,6 +120,8 @@ class ClusterSim(SimLoop):
             flight.token_times = []
             self.detail_ids.add(rid)
         self.flights[rid] = flight
+        if blocks is None and self.is_split:
+            return  # in the decode instance's queue
         if answer_at is not None:
             # A worker reads control messages between steps: the decode worker answers the
             # reservation when its step in flight ends, and only then does the router submit
@@ -129,7 +144,7 @@ class ClusterSim(SimLoop):
             blocks = inst.scheduler.reserve(rid, num_prompt)
             return blocks, (inst.busy_until if blocks is not None and inst.is_busy else None)
         kv = inst.kv_cache
-        need = kv.num_blocks_for(num_prompt + 1)
+        need = kv.num_blocks_for_prompt(num_prompt)
         num_free = kv.num_free_blocks()
         if fastforward.free_after(inst, stretch, num_free) < need:
             self._sync(inst)
@@ -140,6 +155,31 @@ class ClusterSim(SimLoop):
             return None, None
         stretch.free0 -= num_free - kv.num_free_blocks()
         return blocks, stretch.ends[fastforward.steps_done_before(stretch, self.now)]
+
+    def _grant_reservations(self, inst: StepInstance) -> None:
+        """The decode worker's queue (worker_decode.py ``_grant_waiting``): reserve for the
+        waiting requests in arrival order while there is room; refuse those whose wait ran out."""
+        def try_reserve(rid: str, flight: Flight) -> bool:
+            blocks = inst.scheduler.reserve(rid, flight.num_prompt)
+            if blocks is not None:
+                self._submit(flight, blocks)
+            return blocks is not None
+
+        now = self.now
+        for rid, flight in inst.reserve_queue.serve(now, try_reserve):
+            inst.worker.drop(rid)
+            del self.flights[rid]
+            self.detail_ids.discard(rid)
+            rejection = reservation_refused(f"no room within {self.config.decode_queue_timeout_s:g} s")
+            self.recorder.fail(flight.index, flight.arrived, flight.num_prompt,
+                               f"{rejection.status} {rejection.message}", now)
+
+    def _on_heartbeat(self, payload: object) -> None:
+        """Between steps an idle decode worker's loop still serves its queue (every poll)."""
+        for inst in self.instances:
+            if getattr(inst, "reserve_queue", None) and not inst.is_busy:
+                self._grant_reservations(inst)
+        super()._on_heartbeat(payload)
 
     def _submit(self, flight: Flight, blocks: list[list[int]] | None) -> None:
         """The router submits the prompt: to a prefill instance (after the decode instance
@@ -180,7 +220,7 @@ class ClusterSim(SimLoop):
         """Start the instance's next step now, unless one is running or nothing is runnable."""
         if inst.is_busy:
             return
-        if self.is_fast_forward and inst.role != "prefill":
+        if self.is_fast_forward and inst.role != "prefill" and not inst.reserve_queue:
             stretch = fastforward.try_start(inst, self.now, self.max_model_len)
             if stretch is not None:
                 inst.stretch = stretch
@@ -259,6 +299,8 @@ class ClusterSim(SimLoop):
             inst.is_busy = False
             if inst.handover_pending:
                 self.hand_over(inst)
+            if inst.reserve_queue:
+                self._grant_reservations(inst)
             self._kick(inst)
             return
         now, out = self.now, inst.out
@@ -300,6 +342,8 @@ class ClusterSim(SimLoop):
                 self._complete(flight, len(request.output_token_ids) + flight.num_handed_over)
         if inst.handover_pending:
             self.hand_over(inst)
+        if inst.reserve_queue:
+            self._grant_reservations(inst)
         self._kick(inst)
         if roles is not None and roles.draining:
             roles.poll(now)
@@ -324,6 +368,8 @@ class ClusterSim(SimLoop):
         prefill.worker.drop(rid)
         if flight.num_output == 1:
             decode.scheduler.release_reservation(rid)
+            if decode.reserve_queue and not decode.is_busy:
+                self._grant_reservations(decode)
         else:
             request = Request(rid, flight.prompt, self._sampling(flight.num_output, flight.key),
                               arrival_time=flight.arrived)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from epdserve.cluster.messages import MAX_RESERVE_WAIT_S
 from epdserve.errors import ConfigError
 from epdserve.router.admission import ADMISSION_POLICIES, DEFAULT_MAX_PENDING, DEFAULT_MAX_WAITING_PER_WORKER
 from epdserve.router.role_control import RoleControlConfig
@@ -20,6 +21,8 @@ class SimConfig:
     heartbeat_s: float = 0.2  # load reports reach the router this often (the workers' default)
     max_pending: int = DEFAULT_MAX_PENDING
     max_waiting_per_worker: int = DEFAULT_MAX_WAITING_PER_WORKER
+    # P/D: a full decode instance queues reservations this long (as serve --decode-queue-timeout)
+    decode_queue_timeout_s: float = 60.0
     max_num_seqs: dict[str, int] = field(default_factory=dict)  # per role; absent: the profile's
     max_model_len: int | None = None  # None: the workload's longest request
     enable_prefix_caching: bool = True
@@ -58,6 +61,8 @@ class SimConfig:
         checks = [
             (self.link_bytes_per_s > 0, f"link bandwidth must be > 0, got {self.link_bytes_per_s}"),
             (self.heartbeat_s > 0, f"heartbeat period must be > 0, got {self.heartbeat_s}"),
+            (0 <= self.decode_queue_timeout_s <= MAX_RESERVE_WAIT_S,
+             f"decode queue timeout must be 0 to {MAX_RESERVE_WAIT_S:g} s, got {self.decode_queue_timeout_s}"),
             (self.max_pending >= 1, f"max_pending must be >= 1, got {self.max_pending}"),
             (self.max_waiting_per_worker >= 1, f"max_waiting_per_worker must be >= 1, got {self.max_waiting_per_worker}"),
             (self.encode_max_batch_images >= 1, "encode batch must hold >= 1 image"),

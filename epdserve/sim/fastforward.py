@@ -154,4 +154,5 @@ def load(inst: StepInstance, stretch: Stretch, now: float) -> m.Load:
     num_started = min(bisect_right(stretch.ends, now) + 1, stretch.num_steps)
     free = stretch.free0 - _blocks_needed(stretch.tokens, stretch.tables, inst.kv_cache.block_size, num_started)
     used = inst.kv_cache.num_blocks - 1 - free
-    return m.Load(len(s.running), len(s.waiting), free, used, len(s.reserved), len(s.transferring))
+    return m.Load(len(s.running), len(s.waiting) + len(inst.reserve_queue), free, used, len(s.reserved),
+                  len(s.transferring))

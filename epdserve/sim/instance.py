@@ -13,6 +13,7 @@ from collections import deque
 from epdserve.cluster import messages as m
 from epdserve.config import SchedulerConfig
 from epdserve.engine.kv_cache import KVCacheManager, make_group_specs
+from epdserve.engine.reservation_queue import ReservationQueue
 from epdserve.engine.reload_rule import PRIOR_SHM_BYTES_PER_S, PrefixCost
 from epdserve.engine.scheduler import Scheduler, SchedulerOutput
 from epdserve.router.workers import WorkerInfo
@@ -110,6 +111,7 @@ class StepInstance:
         self.neighbour_step: StepCost | None = profile.neighbour_step
         self.neighbours: list = []  # the other instances on its host (set by the cluster)
         self.link = link  # prefill: where its KV leaves
+        self.reserve_queue: ReservationQueue = ReservationQueue()  # decode: flights waiting for room
         self.worker = WorkerInfo(m.Register(
             worker_id, self.role, pid=0, host="sim", model_name=model_name, max_model_len=max_model_len,
             num_kv_blocks=profile.num_kv_blocks, block_size=block_size, node=node, kv_bytes_per_block=bytes_per_block,
@@ -129,7 +131,8 @@ class StepInstance:
 
     def load(self) -> m.Load:
         s = self.scheduler
-        return m.Load(s.num_running, s.num_waiting, self.kv_cache.num_free_blocks(), self.kv_cache.num_used_blocks(),
+        return m.Load(s.num_running, s.num_waiting + len(self.reserve_queue), self.kv_cache.num_free_blocks(),
+                      self.kv_cache.num_used_blocks(),
                       len(s.reserved), len(s.transferring), prefill_s_per_token=self.step_cost.per_prefill_token_s)
 
 

@@ -219,14 +219,32 @@ def test_admission_defaults_are_the_routers():
 
     config = core.RouterConfig()
     assert (DEFAULT_MAX_PENDING, DEFAULT_MAX_WAITING_PER_WORKER) == (config.max_pending, config.max_waiting_per_worker)
+    assert SimConfig(parse_topology("prefill=1,decode=1")).decode_queue_timeout_s == config.decode_queue_timeout_s
 
 
 def test_admission_limits_fail_requests():
     w = fixed_workload([0.0] * 5, [100] * 5, [4] * 5)
     _, rec = run(profile_dict(), "colocated=1", w, max_pending=2)
     assert (~rec.is_ok).sum() == 3 and all(e.startswith("429") for e in rec.errors.values())
-    _, rec = run(profile_dict(max_num_seqs=2), "prefill=1,decode=1", w)  # decode reserves 2 at most
+    # decode reserves 2 at most; without a queue the other three are refused at once
+    _, rec = run(profile_dict(max_num_seqs=2), "prefill=1,decode=1", w, decode_queue_timeout_s=0)
     assert (~rec.is_ok).sum() == 3 and all(e.startswith("503") for e in rec.errors.values())
+
+
+def test_full_decode_instance_queues_reservations_first_come_first_served():
+    # Two seats on the decode instance: requests 2-4 wait for the first two to finish, in order.
+    w = fixed_workload([0.0, 0.0, 0.01, 0.02, 0.03], [100] * 5, [4] * 5)
+    _, rec = run(profile_dict(max_num_seqs=2), "prefill=1,decode=1", w)
+    assert rec.is_ok.all() and not rec.errors
+    first_two_done = max(rec.latency[0], rec.latency[1])
+    ttft = rec.ttft
+    assert min(ttft[2:] + w.arrival_s[2:]) >= first_two_done  # none started before a seat came free
+    assert list(np.argsort(ttft + w.arrival_s, kind="stable")) == [0, 1, 2, 3, 4]
+    # A wait shorter than the first requests' decode: the waiting ones are refused at its end.
+    _, rec = run(profile_dict(max_num_seqs=2), "prefill=1,decode=1", w, decode_queue_timeout_s=1e-3)
+    assert rec.is_ok[:2].all() and (~rec.is_ok[2:]).all()
+    assert all(e.startswith("503") for e in rec.errors.values())
+    assert rec.latency[2] == pytest.approx(1e-3, abs=0.25)  # refused within a step or heartbeat of its deadline
 
 
 # -- fast-forward ------------------------------------------------------------------------------

@@ -1,0 +1,92 @@
+"""P/D on a full decode worker: reservations wait, first come first served, for a bounded time.
+
+Real router and worker processes. The decode worker has two sequence seats (--max-num-seqs 2):
+requests beyond them wait in its reservation queue instead of being refused, a wait that runs
+out is a 503 naming the limit, and a client that leaves while waiting takes its place with it.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import httpx
+import pytest
+from serving import SMALL, start_server, stop_server
+
+pytestmark = pytest.mark.slow
+
+MODEL = "SmolLM2-135M-Instruct"
+QUEUE_TIMEOUT_S = 4.0
+
+
+def _decode(server) -> dict:
+    return next(w for w in server.workers() if w["role"] == "decode")
+
+
+def test_full_decode_worker_queues_then_times_out_and_forgets_leavers(tmp_path):
+    server = start_server(SMALL + ["--max-num-seqs", "2", "--decode-queue-timeout", str(QUEUE_TIMEOUT_S)],
+                          str(tmp_path))
+    try:
+        # 1. Six requests at once on two seats: all are served, each greedy answer as alone.
+        prompts = [f"Fact number {i} about the sea:" for i in range(6)]
+
+        def body(prompt: str, **kw) -> dict:
+            return {"model": MODEL, "prompt": prompt, "max_tokens": 12, "temperature": 0, **kw}
+
+        alone = {p: httpx.post(f"{server.url}/v1/completions", json=body(p), timeout=60).json()["choices"][0]["text"]
+                 for p in prompts}
+        results: dict[str, httpx.Response] = {}
+
+        def send(prompt: str) -> None:
+            results[prompt] = httpx.post(f"{server.url}/v1/completions", json=body(prompt), timeout=60)
+
+        threads = [threading.Thread(target=send, args=(p,)) for p in prompts]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert sorted(r.status_code for r in results.values()) == [200] * 6, [r.text for r in results.values()]
+        assert {p: r.json()["choices"][0]["text"] for p, r in results.items()} == alone
+        server.wait_all_blocks_free()
+
+        # 2. Both seats held by long streams: a third request waits, then is refused at the timeout.
+        stop = threading.Event()
+        started = [threading.Event(), threading.Event()]
+
+        def hold(i: int) -> None:
+            long = body(f"Story {i}:", max_tokens=900, ignore_eos=True, stream=True)
+            with httpx.stream("POST", f"{server.url}/v1/completions", json=long, timeout=120) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        started[i].set()
+                    if stop.is_set():
+                        return  # leaving aborts the request and frees its seat
+
+        holders = [threading.Thread(target=hold, args=(i,)) for i in range(2)]
+        for t in holders:
+            t.start()
+        for event in started:
+            assert event.wait(60), "a long stream did not start"
+        r = httpx.post(f"{server.url}/v1/completions", json=body("Wait for me"), timeout=60)
+        assert r.status_code == 503 and "retry-after" in r.headers
+        error = r.json()["error"]
+        assert "decode-queue-timeout" in error["message"] and "seat" in error["message"], error
+
+        # 3. A client that leaves while waiting: its reservation leaves the decode worker's queue.
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{server.url}/v1/completions", json=body("I will not wait"), timeout=1.0)
+        server.wait_until(lambda: _decode(server)["load"]["num_waiting"] == 0, 10, "the left request to go")
+        waiting: list[httpx.Response] = []
+        waiter = threading.Thread(target=lambda: waiting.append(
+            httpx.post(f"{server.url}/v1/completions", json=body("Fact number 0 about the sea:"), timeout=60)))
+        waiter.start()
+        server.wait_until(lambda: _decode(server)["load"]["num_waiting"] == 1, 10, "a reservation to wait")
+        stop.set()  # the holders leave: the waiting request gets a seat and is served
+        for t in holders:
+            t.join(60)
+        waiter.join(60)
+        assert waiting and waiting[0].status_code == 200, waiting and waiting[0].text
+        assert waiting[0].json()["choices"][0]["text"] == alone["Fact number 0 about the sea:"]
+        server.wait_all_blocks_free()
+    finally:
+        stop_server(server)

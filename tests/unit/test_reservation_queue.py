@@ -1,0 +1,51 @@
+"""The decode worker's reservation queue (engine/reservation_queue.py): first come, first served,
+each wait bounded; the decode worker and the simulator both use it."""
+
+from __future__ import annotations
+
+from epdserve.engine.reservation_queue import ReservationQueue
+
+
+class Room:
+    """A pool of ``free`` units; a request takes ``need`` of them."""
+
+    def __init__(self, free: int) -> None:
+        self.free = free
+        self.taken: list[str] = []
+
+    def take(self, request_id: str, need: int) -> bool:
+        if need > self.free:
+            return False
+        self.free -= need
+        self.taken.append(request_id)
+        return True
+
+
+def test_taken_at_once_when_nobody_waits_else_queued_or_refused():
+    room, queue = Room(3), ReservationQueue[int]()
+    assert queue.offer("a", 2, 10.0, 0.0, room.take) and room.taken == ["a"] and len(queue) == 0
+    assert queue.offer("b", 2, 10.0, 0.0, room.take) and "b" in queue  # no room: waits
+    assert queue.offer("c", 1, 10.0, 0.0, room.take) and "c" in queue  # room, but b came first
+    assert room.taken == ["a"] and queue.request_ids() == {"b", "c"}
+    assert not ReservationQueue[int]().offer("d", 5, 0.0, 0.0, room.take)  # no wait allowed: refused
+
+
+def test_served_in_arrival_order_and_expired_ones_returned():
+    room, queue = Room(0), ReservationQueue[int]()
+    for request_id, need, wait in [("a", 2, 5.0), ("b", 1, 1.0), ("c", 1, 5.0)]:
+        queue.offer(request_id, need, wait, 0.0, room.take)
+    room.free = 1  # not enough for the head: nobody behind it jumps ahead
+    assert queue.serve(0.5, room.take) == [] and room.taken == [] and len(queue) == 3
+    room.free = 3
+    assert queue.serve(0.6, room.take) == [] and room.taken == ["a", "b"] and queue.request_ids() == {"c"}
+    queue.remove("c")
+    assert len(queue) == 0
+
+
+def test_a_head_whose_wait_ran_out_lets_the_next_try():
+    room, queue = Room(0), ReservationQueue[int]()
+    queue.offer("big", 4, 1.0, 0.0, room.take)
+    queue.offer("small", 1, 5.0, 0.0, room.take)
+    room.free = 1
+    assert queue.serve(0.9, room.take) == [] and len(queue) == 2
+    assert queue.serve(1.0, room.take) == [("big", 4)] and room.taken == ["small"] and len(queue) == 0
