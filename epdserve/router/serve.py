@@ -50,6 +50,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         "from --decode-tp: KV heads are re-sharded on the way")
     g.add_argument("--decode-tp", type=int, default=None,
                    help="tensor-parallel size of decode workers (default --tensor-parallel-size)")
+    g.add_argument("--decode-num-kv-blocks", type=int, default=None, metavar="N",
+                   help="KV blocks per group of decode workers (default: --num-kv-blocks / --kv-cache-memory): "
+                        "decode holds every running sequence's whole context, prefill only the prompts in flight")
     g.add_argument("--kv-transport", choices=TRANSPORTS, default="auto",
                    help="how prefill workers reach decode workers' KV pages: auto (shared memory on one node, "
                         "TCP between nodes), or always one of them")
@@ -159,6 +162,8 @@ def plan_workers(ns: argparse.Namespace) -> list[str]:
     for flag, size in sizes.items():
         if size is not None and size < 1:
             raise ConfigError(f"{flag} must be at least 1")
+    if ns.decode_num_kv_blocks is not None and (ns.decode_num_kv_blocks < 2 or not decode):
+        raise ConfigError("--decode-num-kv-blocks takes at least 2 blocks, for decode workers")
     tps = {Role.PREFILL: role_tp(ns, Role.PREFILL), Role.DECODE: role_tp(ns, Role.DECODE),
            Role.COLOCATED: ns.tensor_parallel_size}
     used = [tps[role] for role, count in ((Role.PREFILL, prefill), (Role.DECODE, decode), (Role.COLOCATED, colocated))
@@ -305,6 +310,8 @@ async def serve(ns: argparse.Namespace) -> int:
             role_extra = [*role_extra, "--step-trace-dir", ns.step_trace_dir]
         if role in (Role.PREFILL, Role.DECODE):
             role_extra = [*role_extra, "--tensor-parallel-size", str(role_tp(ns, role))]
+        if role == Role.DECODE and ns.decode_num_kv_blocks is not None:
+            role_extra = [*role_extra, "--num-kv-blocks", str(ns.decode_num_kv_blocks)]
         if ray_workers is not None:
             ray_workers.start(worker_id, role, router.address, extra + role_extra, log_path)
             continue

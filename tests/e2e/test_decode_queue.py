@@ -7,6 +7,8 @@ out is a 503 naming the limit, and a client that leaves while waiting takes its 
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 
 import httpx
@@ -17,6 +19,7 @@ pytestmark = pytest.mark.slow
 
 MODEL = "SmolLM2-135M-Instruct"
 QUEUE_TIMEOUT_S = 4.0
+DECODE_BLOCKS = 48
 
 
 def _decode(server) -> dict:
@@ -24,9 +27,13 @@ def _decode(server) -> dict:
 
 
 def test_full_decode_worker_queues_then_times_out_and_forgets_leavers(tmp_path):
-    server = start_server(SMALL + ["--max-num-seqs", "2", "--decode-queue-timeout", str(QUEUE_TIMEOUT_S)],
-                          str(tmp_path))
+    server = start_server(SMALL + ["--max-num-seqs", "2", "--decode-queue-timeout", str(QUEUE_TIMEOUT_S),
+                                   "--decode-num-kv-blocks", str(DECODE_BLOCKS)], str(tmp_path))
     try:
+        # The decode worker's pool is sized apart (block 0 is the null block).
+        free = {w["role"]: w["load"]["num_free_blocks"] for w in server.workers()}
+        assert free["decode"] == DECODE_BLOCKS - 1 and free["prefill"] != DECODE_BLOCKS - 1, free
+
         # 1. Six requests at once on two seats: all are served, each greedy answer as alone.
         prompts = [f"Fact number {i} about the sea:" for i in range(6)]
 
@@ -90,3 +97,11 @@ def test_full_decode_worker_queues_then_times_out_and_forgets_leavers(tmp_path):
         server.wait_all_blocks_free()
     finally:
         stop_server(server)
+
+
+def test_bad_decode_queue_flags_exit_2_before_starting():
+    for flags, message in [(["--decode-queue-timeout", "-1"], "decode queue timeout"),
+                           (["--decode-num-kv-blocks", "1"], "--decode-num-kv-blocks")]:
+        proc = subprocess.run([sys.executable, "-m", "epdserve.cli", "serve", *flags], capture_output=True,
+                              text=True, timeout=120)
+        assert proc.returncode == 2 and message in proc.stderr, proc.stderr

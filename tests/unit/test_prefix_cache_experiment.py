@@ -38,7 +38,7 @@ def test_subset_keeps_conversations_with_enough_turns_that_fit(tmp_path):
             (40, [0, 1, 3, 5], 700)]
     path.write_text("".join(json.dumps({"timestamp": t * 1000 + 5000, "input_length": n, "output_length": 10,
                                         "hash_ids": h}) + "\n" for t, h, n in rows))
-    scale = Scale(1, 3, 9600, 0.1, (10.0,), 1.0, 1.0, 8, 0.1, 0.1, 256, (32,), 1)
+    scale = Scale(1, 3, 9600, 0.1, (10.0,), 1.0, 1.0, 8, 8, 0.1, 0.1, 256, (32,), 1)
     subset = conversation_subset(path, scale)
     assert [r.hash_ids for r in subset] == [(0, 1), (0, 1, 3), (0, 1, 3, 5)]
     assert [r.arrival_s for r in subset] == [0.0, 20.0, 40.0]  # from the first chosen request

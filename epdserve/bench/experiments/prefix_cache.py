@@ -84,6 +84,7 @@ class Scale:
     slo_ttft_ms: float
     slo_tpot_ms: float
     num_kv_blocks: int  # per worker
+    decode_num_kv_blocks: int  # per decode worker: it holds every running sequence's whole context
     host_tier_gib: float
     disk_tier_gib: float
     max_model_len: int
@@ -93,9 +94,11 @@ class Scale:
 
 # Replay durations: 1.62, 2.37 and 3.24 requests/s on 2P1D (at 0.74 req/s least-prefill already
 # keeps 82 % of requests within the SLO there: no arm can reach 1.5x its goodput).
-FULL = Scale(32, 4, 9600, 0.1, (110.0, 75.0, 55.0), 1000.0, 100.0, 128, 0.25, 1.0, 2048,
+# The decode worker's pool holds the running sequences' contexts at the highest rate (a pool of
+# 128 blocks, about five prompts, turned 29-50 % of the requests away in an earlier run).
+FULL = Scale(32, 4, 9600, 0.1, (110.0, 75.0, 55.0), 1000.0, 100.0, 128, 512, 0.25, 1.0, 2048,
              (32, 64, 128, 256, 512, 1024, 1536), 3)
-QUICK = Scale(3, 4, 9600, 0.05, (20.0,), 20000.0, 2000.0, 64, 0.1, 0.2, 1024, (32, 128), 1)
+QUICK = Scale(3, 4, 9600, 0.05, (20.0,), 20000.0, 2000.0, 64, 128, 0.1, 0.2, 1024, (32, 128), 1)
 
 
 # ---------------------------------------------------------------- part 1: the trace
@@ -169,6 +172,8 @@ def serve_flags(topology: str, arm: str, scale: Scale, disk_dir: Path) -> list[s
     routing, with_tiers = ARMS[arm]
     flags = [*TOPOLOGIES[topology], "--routing", routing, "--num-kv-blocks", str(scale.num_kv_blocks),
              "--max-model-len", str(scale.max_model_len)]
+    if "--decode-workers" in flags:
+        flags += ["--decode-num-kv-blocks", str(scale.decode_num_kv_blocks)]
     if with_tiers:
         flags += ["--kv-host-tier-gib", f"{scale.host_tier_gib:g}", "--kv-disk-tier-gib", f"{scale.disk_tier_gib:g}",
                   "--kv-disk-tier-dir", str(disk_dir)]

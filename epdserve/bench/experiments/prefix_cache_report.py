@@ -91,7 +91,8 @@ def build_report(results: dict, run: ExperimentRun, plot_names: list[str]) -> st
          f"the trace's {work['span_s']:.0f} s compressed to each replay duration (the rate). "
          f"{pct(work['reusable_prompt_share'])} of prompt tokens repeat an earlier request's prefix (the ceiling "
          f"of any cache's hit rate). Pool: {scale['num_kv_blocks']} blocks of 16 tokens per worker (a few "
-         f"conversations); tiers: host {scale['host_tier_gib']:g} GiB (shared memory, every worker of the host), disk "
+         f"conversations), {scale.get('decode_num_kv_blocks', scale['num_kv_blocks'])} per decode worker (the "
+         f"running sequences' contexts; a full one queues new requests); tiers: host {scale['host_tier_gib']:g} GiB (shared memory, every worker of the host), disk "
          f"{scale['disk_tier_gib']:g} GiB. SLO per request: TTFT ≤ {scale['slo_ttft_ms']:g} ms and TPOT ≤ "
          f"{scale['slo_tpot_ms']:g} ms; goodput = requests/s within it. A fresh server per arm and rate."),
         "",
