@@ -35,7 +35,7 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     d.add_argument(
         "--dataset", "--dataset-name", dest="dataset", default="random", help="random, random-mm, sharegpt, trace"
     )
-    d.add_argument("--dataset-path", default=None, help="ShareGPT JSON file or JSONL trace")
+    d.add_argument("--dataset-path", default=None, help="ShareGPT JSON file, or a trace: Mooncake JSONL or Azure CSV (*.csv)")
     d.add_argument(
         "--num-prompts",
         type=int,

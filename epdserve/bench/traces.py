@@ -104,3 +104,8 @@ def read_trace(path: str) -> list[TraceRecord]:
 def read_csv_trace(path: str) -> list[TraceRecord]:
     """An Azure CSV trace's requests, sorted by arrival (at least one)."""
     return _read(path, _azure_records, "")
+
+
+def read_any_trace(path: str) -> list[TraceRecord]:
+    """A trace by its file name: ``*.csv`` Azure, anything else Mooncake JSONL."""
+    return read_csv_trace(path) if path.endswith(".csv") else read_trace(path)

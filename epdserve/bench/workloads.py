@@ -4,7 +4,7 @@ Datasets (``--dataset``):
 - ``random``: synthetic prompts of sampled token lengths, as vLLM's RandomDataset builds them.
 - ``random-mm``: ``random`` prompts plus synthetic images (``mm_workloads``); chat endpoint.
 - ``sharegpt``: first human turn as the prompt, the reply's length as the output length.
-- ``trace``: a JSONL request trace replayed at its own timestamps (Mooncake-style fields).
+- ``trace``: a request trace replayed at its own timestamps (Mooncake JSONL or Azure CSV).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from epdserve.bench import BenchError
-from epdserve.bench.traces import TRACE_BLOCK_TOKENS, read_trace
+from epdserve.bench.traces import TRACE_BLOCK_TOKENS, read_any_trace
 
 DATASETS = ("random", "random-mm", "sharegpt", "trace")
 MAX_LENGTH_RETRIES = 10  # decode/re-encode rounds spent hitting an exact prompt length
@@ -192,15 +192,15 @@ def trace_requests(
     time_scale: float = 1.0,
     length_scale: float = 1.0,
 ) -> Workload:
-    """Replay a JSONL trace (``traces.read_trace``): ``timestamp`` (ms from start),
-    ``input_length``, ``output_length``, optional ``hash_ids``. Equal hash ids give equal
-    prompt blocks, so shared prefixes survive.
+    """Replay a trace (``traces.read_any_trace``): Mooncake JSONL (``timestamp`` in ms from the
+    start, ``input_length``, ``output_length``, optional ``hash_ids``) or Azure CSV. Equal hash
+    ids give equal prompt blocks, so shared prefixes survive.
 
     Send times are ``timestamp * time_scale``; lengths are ``length * length_scale`` (at least 1).
     """
     if time_scale <= 0 or length_scale <= 0:
         raise BenchError("--trace-time-scale and --trace-length-scale must be > 0")
-    records = read_trace(path)
+    records = read_any_trace(path)
     records = records[:num_prompts] if num_prompts is not None else records
     allowed = tok.allowed_ids()
     block_len = max(1, round(TRACE_BLOCK_TOKENS * length_scale))

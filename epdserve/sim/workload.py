@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from epdserve.bench import BenchError
-from epdserve.bench.traces import TRACE_BLOCK_TOKENS, read_csv_trace, read_trace
+from epdserve.bench.traces import TRACE_BLOCK_TOKENS, read_any_trace
 from epdserve.bench.workloads import arrival_offsets
 from epdserve.errors import ConfigError, EpdserveError
 
@@ -156,7 +156,7 @@ def trace_workload(path: str, time_scale: float = 1.0, length_scale: float = 1.0
     if not Path(path).is_file():
         raise ConfigError(f"cannot read trace {path}: no such file")
     try:
-        records = read_csv_trace(path) if path.endswith(".csv") else read_trace(path)
+        records = read_any_trace(path)
     except BenchError as e:
         raise ConfigError(str(e)) from None
     t0 = records[0].arrival_s

@@ -127,6 +127,20 @@ def test_trace_replays_timestamps_and_shares_hashed_blocks(tmp_path, tok):
     assert len(trace_requests(tok, path, 2, seed=0).requests) == 2
 
 
+def test_azure_csv_trace_replays_like_the_simulator_reads_it(tmp_path, tok):
+    from epdserve.sim.workload import trace_workload
+
+    path = _write_lines(tmp_path / "azure.csv", ["arrived_at,num_prefill_tokens,num_decode_tokens",
+                                                  "0.0,400,40", "2.5,1000,120", "1.0,200,10"])
+    workload = trace_requests(tok, path, None, seed=0, time_scale=0.5, length_scale=0.05)
+    assert workload.arrival_offsets_s == (0.0, 0.5, 1.25)  # sorted, seconds, scaled
+    assert [(r.prompt_len, r.expected_output_len) for r in workload.requests] == [(20, 2), (10, 1), (50, 6)]
+    sim = trace_workload(path, 0.5, 0.05, None, None, None, False)  # the simulator's reading of the same file
+    assert list(sim.arrival_s) == list(workload.arrival_offsets_s)
+    assert list(sim.input_lens) == [r.prompt_len for r in workload.requests]
+    assert list(sim.output_lens) == [r.expected_output_len for r in workload.requests]
+
+
 @pytest.mark.parametrize(
     "bad_line, message",
     [
