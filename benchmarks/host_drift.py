@@ -1,6 +1,6 @@
 """How steady this host is: one fixed model step, timed in consecutive windows.
 
-    python benchmarks/host_drift.py [--minutes 5] [--window-s 15] [--core 1] [--batch 8] [--context 300]
+    python benchmarks/host_drift.py [--minutes 5] [--window-s 15] [--core 1] [--batch 8] [--context 300] [--json F]
 
 One engine (SmolLM2, the dtype serving takes here, one thread pinned to ``--core``) runs the
 same decode step (``--batch`` sequences of ``--context`` tokens, the same KV pages every time)
@@ -15,6 +15,7 @@ the same arrivals — can predict a later measurement.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import time
@@ -34,6 +35,7 @@ def main() -> None:
     parser.add_argument("--core", type=int, default=1)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--context", type=int, default=300)
+    parser.add_argument("--json", default=None, help="also write the windows' medians (ms) here")
     args = parser.parse_args()
     os.sched_setaffinity(0, {args.core})
     torch.set_num_threads(1)
@@ -58,6 +60,10 @@ def main() -> None:
     low, mid, high = min(medians), statistics.median(medians), max(medians)
     print(f"windows: {len(medians)}; lowest {1e3 * low:.1f} ms, median {1e3 * mid:.1f} ms, highest {1e3 * high:.1f} ms; "
           f"spread (highest - lowest) / median {100 * (high - low) / mid:.0f} %; highest / lowest {high / low:.2f}")
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump({"window_medians_ms": [1e3 * m for m in medians], "median_ms": 1e3 * mid, "batch": args.batch,
+                       "context": args.context, "core": args.core, "end_time": time.time()}, f)
 
 
 if __name__ == "__main__":
