@@ -21,7 +21,8 @@ import asyncio
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
+from typing import TypeVar
 from dataclasses import dataclass, field, replace
 
 import msgspec
@@ -72,6 +73,8 @@ from epdserve.validate import (
     longest_token_chars,
     sampling_params,
 )
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -316,17 +319,11 @@ def create_app(router: Router, served: ServedModel, api_key: str | None = None, 
 
         # Admission may wait (a P/D reservation queued at a full decode worker): a client that
         # leaves meanwhile takes its place in that queue with it.
-        opener = asyncio.ensure_future(open_all())
-        watcher = asyncio.ensure_future(_wait_disconnect(request))
-        await asyncio.wait({opener, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        watcher.cancel()
-        if not opener.done():
-            opener.cancel()
-            await asyncio.gather(opener, return_exceptions=True)
-        if opener.cancelled() or opener.exception() is not None:
+        opened = await _until_disconnect(request, open_all())
+        if opened is None or opened.cancelled() or opened.exception() is not None:
             for handle in handles:  # a batch is all or nothing
                 router.abort(handle.request_id)
-            error = None if opener.cancelled() else opener.exception()
+            error = None if opened is None or opened.cancelled() else opened.exception()
             if isinstance(error, Overloaded):
                 return error_response(error.status, str(error), retry_after=error.retry_after)
             if error is not None:
@@ -384,16 +381,12 @@ def create_app(router: Router, served: ServedModel, api_key: str | None = None, 
                     fmt.add(event.output, prompt_index)
             return None
 
-        collector = asyncio.ensure_future(collect())
-        watcher = asyncio.ensure_future(_wait_disconnect(request))
-        await asyncio.wait({collector, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        watcher.cancel()
-        if not collector.done():
-            collector.cancel()
+        collected = await _until_disconnect(request, collect())
+        if collected is None:
             for handle in handles:
                 router.abort(handle.request_id)
             return Response(status_code=499)
-        error = collector.result()
+        error = collected.result()
         if error is not None:
             for handle in handles:
                 router.abort(handle.request_id)
@@ -420,6 +413,20 @@ def _field_path(loc: tuple) -> str:
             continue
         parts.append(text)
     return ".".join(parts)
+
+
+async def _until_disconnect(request: Request, work: Awaitable[T]) -> asyncio.Future[T] | None:
+    """Run ``work`` until it ends or the client disconnects: its finished task, or None when
+    the client left first (``work`` is then cancelled, and its clean-up has run)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    watcher.cancel()
+    if task.done():
+        return task
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    return None
 
 
 async def _wait_disconnect(request: Request) -> None:

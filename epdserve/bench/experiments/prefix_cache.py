@@ -94,11 +94,12 @@ class Scale:
     crossover_reps: int
 
 
-# Replay durations: 1.62, 2.37 and 3.24 requests/s (on 2P1D at 0.74 req/s least-prefill already
-# keeps 82 % of requests within the SLO there: no arm can reach 1.5x its goodput).
+# Replay durations: 3.24, 4.45 and 5.93 requests/s on 1P1D (least-prefill kept 99 % and 95 % of
+# requests within the SLO at 1.62 and 2.37 req/s there, 83 % at 3.24: below the knee no arm can
+# reach 1.5x its goodput).
 # The decode worker's pool holds the running sequences' contexts at the highest rate (a pool of
 # 128 blocks, about five prompts, turned 29-50 % of the requests away in an earlier run).
-FULL = Scale(32, 4, 9600, 0.1, (110.0, 75.0, 55.0), 1000.0, 100.0, 128, 512, 0.25, 1.0, 2048,
+FULL = Scale(32, 4, 9600, 0.1, (55.0, 40.0, 30.0), 1000.0, 100.0, 128, 512, 0.25, 1.0, 2048,
              (32, 64, 128, 256, 512, 1024, 1536), 3)
 QUICK = Scale(3, 4, 9600, 0.05, (20.0,), 20000.0, 2000.0, 64, 128, 0.1, 0.2, 1024, (32, 128), 1)
 
