@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import resource
@@ -143,9 +144,8 @@ class Workload:
 
     def _trace_scale(self, scale: Scale, rate: float) -> float:
         """The Azure trace's time scale that sends its first requests at ``rate`` on average."""
-        records = read_any_trace(str(self.trace))[: scale.azure_num_prompts]
-        span = records[-1].arrival_s - records[0].arrival_s
-        return (len(records) - 1) / (span * rate) if span > 0 else 1.0
+        num, span = trace_head(str(self.trace), scale.azure_num_prompts)
+        return (num - 1) / (span * rate) if span > 0 else 1.0
 
     def bench_args(self, scale: Scale, rate: float, seed: int) -> list[str]:
         if self.trace is None:
@@ -163,6 +163,14 @@ class Workload:
                     "--random-range-ratio", f"{scale.range_ratio:g}", "--seed", "0"]
         return ["--workload", "trace", str(self.trace), "--time-scale", f"{self._trace_scale(scale, rate):.6g}",
                 "--length-scale", f"{scale.azure_length_scale:g}", "--num-requests", str(scale.azure_num_prompts)]
+
+
+@functools.lru_cache(maxsize=None)
+def trace_head(path: str, num: int) -> tuple[int, float]:
+    """The number of a trace's first ``num`` requests and their arrival span in seconds (read
+    once: every capacity estimate and run asks)."""
+    records = read_any_trace(path)[:num]
+    return len(records), records[-1].arrival_s - records[0].arrival_s
 
 
 def workloads(scale: Scale, with_azure: bool) -> list[Workload]:
@@ -687,15 +695,12 @@ def judge_runs(states: dict[str, TopologyState], profile: Path, scale: Scale, ou
     cells = []
     for topology, state in states.items():
         name = topology.replace("=", "").replace(",", "_")
-        profiles = {"sim_offline": profile}
-        merged = merged_trace_dir(state, out_dir / f"steps_{name}_all")
+        profiles = {"sim": profile}  # without calibration the offline profile is the one judged
         if calibrate and state.first_profile is not None:
-            profiles["sim"] = state.first_profile
+            merged = merged_trace_dir(state, out_dir / f"steps_{name}_all")
             stretch = out_dir / f"profile_calibrated_{name}_stretch.json"
             run_calibrate(profile, merged, [(a, b) for _, a, b in state.calibration_windows], stretch, log)
-            profiles["sim_stretch"] = stretch
-        else:
-            profiles["sim"] = profile
+            profiles = {"sim": state.first_profile, "sim_stretch": stretch, "sim_offline": profile}
         attribution_cost = CostModel.load(profiles["sim"])
         groups: dict[tuple[str, float], list[RealRun]] = {}
         for run in state.runs:

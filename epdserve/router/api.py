@@ -22,8 +22,8 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
-from typing import TypeVar
 from dataclasses import dataclass, field, replace
+from typing import TypeVar
 
 import msgspec
 from fastapi import FastAPI, Request
@@ -320,10 +320,10 @@ def create_app(router: Router, served: ServedModel, api_key: str | None = None, 
         # Admission may wait (a P/D reservation queued at a full decode worker): a client that
         # leaves meanwhile takes its place in that queue with it.
         opened = await _until_disconnect(request, open_all())
-        if opened is None or opened.cancelled() or opened.exception() is not None:
+        error = None if opened is None else opened.exception()
+        if opened is None or error is not None:
             for handle in handles:  # a batch is all or nothing
                 router.abort(handle.request_id)
-            error = None if opened is None or opened.cancelled() else opened.exception()
             if isinstance(error, Overloaded):
                 return error_response(error.status, str(error), retry_after=error.retry_after)
             if error is not None:

@@ -99,17 +99,14 @@ class ClusterSim(SimLoop):
         if self.is_split:
             if not first.kv_cache.can_ever_hold_prompt(num_prompt):
                 return self._reject(index, num_prompt, reservation_refused(f"no room for {num_prompt + 1} tokens"))
-            reserved: list = []
-
             def try_reserve(_: str, __: Flight) -> bool:
-                reserved[:] = self._reserve(first, rid, num_prompt)
-                return reserved[0] is not None
+                nonlocal blocks, answer_at
+                blocks, answer_at = self._reserve(first, rid, num_prompt)
+                return blocks is not None
 
             if not first.reserve_queue.offer(rid, flight, config.decode_queue_timeout_s, now, try_reserve):
                 return self._reject(index, num_prompt, reservation_refused(f"no room for {num_prompt + 1} tokens"))
-            if reserved and reserved[0] is not None:
-                blocks, answer_at = reserved
-            else:
+            if blocks is None:
                 self._sync(first)  # waiting: the queue is served at its step ends
             flight.decode = first
             first.worker.take(rid)

@@ -332,16 +332,19 @@ def run(out_dir: Path, quick: bool) -> str:
     subset = out_dir / "mooncake_conversation_subset.jsonl"
     write_subset(records, subset)
     stats = subset_stats(records, scale)
-    why = cpu_quota.available() if MAIN_TOPOLOGY in QUOTAS else "not needed"
-    if MAIN_TOPOLOGY in QUOTAS and why is not None and not quick:
+    wants_quota = MAIN_TOPOLOGY in QUOTAS
+    why = cpu_quota.available() if wants_quota else None
+    if wants_quota and why is not None and not quick:
         raise BenchError(f"prefix-cache holds each worker of {MAIN_TOPOLOGY} to a CPU quota and cannot here: {why}")
+    use_quota = wants_quota and why is None
     commands: list[str] = []
     durations = scale.durations_s if not quick else scale.durations_s[:1]
     trace_results = {MAIN_TOPOLOGY: {arm: run_trace_arm(MAIN_TOPOLOGY, arm, durations, subset, stats["span_s"], scale,
-                                                        out_dir, commands, why is None) for arm in ARMS}}
+                                                        out_dir, commands, use_quota) for arm in ARMS}}
     crossover = {name: crossover_arm(name, scale, out_dir, commands) for name in CROSSOVER_ARMS}
     results = {"scale": asdict(scale), "workload": stats, "topology": MAIN_TOPOLOGY,
-               "cpu_share": QUOTAS.get(MAIN_TOPOLOGY) if why is None else None, "trace": trace_results,
+               "cpu_share": QUOTAS[MAIN_TOPOLOGY] if use_quota else None, "quota_wanted": wants_quota,
+               "trace": trace_results,
                "goals": goals(trace_results[MAIN_TOPOLOGY]), "crossover": crossover, "commands": commands}
     plots = write_plots(results, out_dir)
     report = build_report(results, experiment, [p.name for p in plots])

@@ -77,10 +77,9 @@ def build_report(results: dict, run: ExperimentRun, plot_names: list[str]) -> st
     topology = results["topology"]
     levels = results["trace"][topology]
     share = results.get("cpu_share")
-    num_workers = sum(int(part.split("=")[1]) for part in topology.split(","))
     machines = (f"each worker held to {share:.2f} of a core by a CPU quota (a machine of that size)" if share
-                else "one core per worker" if num_workers <= 2
-                else "no CPU quota (the cgroup controller was not writable here): the workers share the cores")
+                else "no CPU quota (the cgroup controller was not writable here): the workers share the cores"
+                if results.get("quota_wanted", True) else "one core per worker")
     goal_rows = results["goals"]
     headers, rows = crossover_table(results["crossover"])
     lines = [
