@@ -5,10 +5,14 @@ one bench result becomes per-tier hit shares and the goals against the baseline.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
 from epdserve.bench import BenchError
+from epdserve.bench.experiments import cpu_quota
 from epdserve.bench.experiments.prefix_cache import (
     FULL,
     Scale,
@@ -17,7 +21,7 @@ from epdserve.bench.experiments.prefix_cache import (
     subset_stats,
     summarize_level,
 )
-from epdserve.bench.experiments.prefix_cache_report import crossover_table, goals
+from epdserve.bench.experiments.prefix_cache_report import crossover_table, describe_machines, goals
 from epdserve.bench.traces import TraceRecord
 
 
@@ -78,3 +82,36 @@ def test_crossover_table_marks_the_rules_choice():
     headers, rows = crossover_table({"recompute": [point], "host, rule": [point]})
     assert headers[1] == "recompute TTFT (ms)"
     assert rows == [[64, 10.0, "recompute (9.0 / 5.0)"]]
+
+
+def test_pin_sets_every_thread_of_a_running_process():
+    """A started process with a second thread: both threads land on the chosen core."""
+
+    code = "import threading, time; threading.Thread(target=time.sleep, args=(30,)).start(); time.sleep(30)"
+    proc = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        tids: list[str] = []
+        for _ in range(200):  # bounded: the second thread starts within moments
+            tids = os.listdir(f"/proc/{proc.pid}/task")
+            if len(tids) >= 2:
+                break
+            subprocess.run(["sleep", "0.01"])
+        assert len(tids) >= 2
+        last = len(os.sched_getaffinity(0)) - 1
+        cpu_quota.pin(proc.pid, (last,))
+        want = {sorted(os.sched_getaffinity(0))[last]}
+        assert all(os.sched_getaffinity(int(t)) == want for t in os.listdir(f"/proc/{proc.pid}/task"))
+        with pytest.raises(BenchError):
+            cpu_quota.pin(proc.pid, (last + 1,))
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+def test_report_names_each_roles_machine():
+    text = describe_machines({"machines": {"prefill": {"share": 0.5, "cores": [0]},
+                                           "decode": {"share": 1.0, "cores": [1]}}})
+    assert "each prefill worker held to 0.5 of a core on core 0" in text
+    assert "each decode worker held to 1 of a core on core 1" in text
+    assert describe_machines({"cpu_share": 2 / 3}).startswith("each worker held to 0.67")
+    assert describe_machines({"quota_wanted": False}) == "one core per worker"

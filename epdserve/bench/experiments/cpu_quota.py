@@ -48,12 +48,36 @@ def available() -> str | None:
     return None
 
 
+def _check_share(share: float) -> float:
+    if not 0 < share <= 64:
+        raise BenchError(f"a CPU share must be in (0, 64] cores, got {share}")
+    return share
+
+
+def pin(pid: int, cores: tuple[int, ...]) -> None:
+    """Pin every thread of process ``pid`` to ``cores`` (indices into the cores this process may
+    use), so that processes can be placed on cores after they started: a process's threads keep
+    the affinity they were created with, so each thread is set."""
+    allowed = sorted(os.sched_getaffinity(0))
+    if not cores or any(not 0 <= c < len(allowed) for c in cores):
+        raise BenchError(f"cores {cores} are not among the {len(allowed)} this process may use")
+    chosen = {allowed[c] for c in cores}
+    try:
+        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except OSError as e:
+        raise BenchError(f"cannot pin process {pid}: {e}") from e
+    for tid in tids:
+        try:
+            os.sched_setaffinity(tid, chosen)
+        except ProcessLookupError:
+            pass  # a thread that ended meanwhile
+
+
 class CpuQuotas:
     """One cgroup per process, each limited to ``share`` of a core; ``close`` removes them."""
 
     def __init__(self, share: float) -> None:
-        if not 0 < share <= 64:
-            raise BenchError(f"a CPU share must be in (0, 64] cores, got {share}")
+        _check_share(share)
         why = available()
         if why is not None:
             raise BenchError(f"cannot give workers CPU quotas: {why}")
@@ -63,12 +87,14 @@ class CpuQuotas:
         self.prefix = f"epdserve-quota-{uuid.uuid4().hex[:8]}"
         self.groups: list[Path] = []
 
-    def limit(self, pid: int, name: str) -> Path:
-        """Move process ``pid`` (all its threads) into a new cgroup limited to the share."""
+    def limit(self, pid: int, name: str, share: float | None = None) -> Path:
+        """Move process ``pid`` (all its threads) into a new cgroup limited to ``share`` of a
+        core (default: the share given at construction)."""
+        share = self.share if share is None else _check_share(share)
         group = self.root / f"{self.prefix}-{name}"
         group.mkdir()
         self.groups.append(group)
-        quota = max(1000, round(self.share * PERIOD_US))
+        quota = max(1000, round(share * PERIOD_US))
         if self.v2 is not None:
             (group / "cpu.max").write_text(f"{quota} {PERIOD_US}\n")
         else:

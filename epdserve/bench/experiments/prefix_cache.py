@@ -14,11 +14,14 @@ usually evicted before its next turn arrives:
     prefix-aware+tiers      prefix-aware    host (shared memory) + disk
 
 on one prefill and one decode worker (1P1D), one core each. ``TOPOLOGIES`` keeps the layouts
-of earlier runs: two colocated workers (one core each), and 2P1D with each worker held to two
-thirds of a core by a CPU quota (``cpu_quota.py``: three machines of that size on the host's two
-cores); on the Intel host 2P1D was decode-bound at the TPOT SLO whatever the routing (its decode
-machine of two thirds of a core ran TPOT P50 105-174 ms at 1.62-3.24 req/s against the 100 ms SLO),
-so the cache could not show there. Reported per arm and rate:
+of earlier runs: two colocated workers (one core each), and 2P1D on machines per role
+(``MACHINES``: CPU quotas from ``cpu_quota.py`` and each worker's threads pinned to its core
+after start). With every worker held to two thirds of a core, 2P1D was decode-bound at the TPOT
+SLO whatever the routing (TPOT P50 105-174 ms at 1.62-3.24 req/s against the 100 ms SLO); with
+decode alone on one core and the prefill workers held to half of the other each, it was
+prefill-bound (TTFT P50 3.0-9.2 s at 3.24-5.93 req/s, 3-19 % within the SLO in every arm), so the
+cache could not show in either.
+Reported per arm and rate:
 goodput at the SLO, TTFT P50/P99, prompt tokens served from each tier (the server's
 per-request ``timing``), KV bytes P -> D and the bytes not sent (decode held them).
 
@@ -72,8 +75,21 @@ TOPOLOGIES = {
     "prefill=1,decode=1": ["--prefill-workers", "1", "--decode-workers", "1", "--cores-per-worker", "1"],
 }
 MAIN_TOPOLOGY = "prefill=1,decode=1"  # what the experiment runs (every arm, every rate) and its goals judge
-# Cores per worker by a CPU quota (topologies with more workers than the host has cores).
-QUOTAS = {"prefill=2,decode=1": 2 / 3}
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What each worker of a role runs on: ``share`` of a core (a CPU quota) on ``cores``
+    (indices into the host's cores)."""
+
+    share: float
+    cores: tuple[int, ...]
+
+
+# Machines per role for topologies with more workers than the host has cores; the others run
+# one core per worker as serve pins them. Decode on a core of its own; the prefill workers
+# split the other.
+MACHINES = {"prefill=2,decode=1": {"prefill": Machine(0.5, (0,)), "decode": Machine(1.0, (1,))}}
 
 
 @dataclass(frozen=True)
@@ -231,11 +247,14 @@ def run_trace_arm(topology: str, arm: str, durations: tuple[float, ...], subset:
         commands.append(server.command)
         result_path = out_dir / "runs" / f"{tag}.json"
         result_path.parent.mkdir(parents=True, exist_ok=True)
-        quotas = cpu_quota.CpuQuotas(QUOTAS[topology]) if use_quota and topology in QUOTAS else None
+        machines = MACHINES.get(topology) if use_quota else None
+        quotas = cpu_quota.CpuQuotas(1.0) if machines else None
         try:
             if quotas is not None:
                 for worker in list_workers(server):
-                    quotas.limit(worker["pid"], worker["id"])
+                    machine = machines[worker["role"]]
+                    cpu_quota.pin(worker["pid"], machine.cores)
+                    quotas.limit(worker["pid"], worker["id"], machine.share)
             run_command(bench_cmd(server, subset, duration / span_s, scale, result_path), commands)
         finally:
             stop_server(server)
@@ -332,7 +351,7 @@ def run(out_dir: Path, quick: bool) -> str:
     subset = out_dir / "mooncake_conversation_subset.jsonl"
     write_subset(records, subset)
     stats = subset_stats(records, scale)
-    wants_quota = MAIN_TOPOLOGY in QUOTAS
+    wants_quota = MAIN_TOPOLOGY in MACHINES
     why = cpu_quota.available() if wants_quota else None
     if wants_quota and why is not None and not quick:
         raise BenchError(f"prefix-cache holds each worker of {MAIN_TOPOLOGY} to a CPU quota and cannot here: {why}")
@@ -343,7 +362,8 @@ def run(out_dir: Path, quick: bool) -> str:
                                                         out_dir, commands, use_quota) for arm in ARMS}}
     crossover = {name: crossover_arm(name, scale, out_dir, commands) for name in CROSSOVER_ARMS}
     results = {"scale": asdict(scale), "workload": stats, "topology": MAIN_TOPOLOGY,
-               "cpu_share": QUOTAS[MAIN_TOPOLOGY] if use_quota else None, "quota_wanted": wants_quota,
+               "machines": ({role: asdict(m) for role, m in MACHINES[MAIN_TOPOLOGY].items()} if use_quota else None),
+               "quota_wanted": wants_quota,
                "trace": trace_results,
                "goals": goals(trace_results[MAIN_TOPOLOGY]), "crossover": crossover, "commands": commands}
     plots = write_plots(results, out_dir)

@@ -72,14 +72,26 @@ def crossover_table(crossover: dict[str, list[dict]]) -> tuple[list[str], list[l
     return headers, rows
 
 
+def describe_machines(results: dict) -> str:
+    """What each worker ran on: per role a share of a core on given cores, one share for all
+    (earlier results), or serve's own pinning."""
+    per_role = results.get("machines")
+    if per_role:
+        return "; ".join(f"each {role} worker held to {m['share']:g} of a core on core "
+                         f"{', '.join(map(str, m['cores']))}" for role, m in per_role.items()) + " (CPU quotas and pinning)"
+    share = results.get("cpu_share")
+    if share:
+        return f"each worker held to {share:.2f} of a core by a CPU quota (a machine of that size)"
+    if results.get("quota_wanted", True):
+        return "no CPU quota (the cgroup controller was not writable here): the workers share the cores"
+    return "one core per worker"
+
+
 def build_report(results: dict, run: ExperimentRun, plot_names: list[str]) -> str:
     scale, work = results["scale"], results["workload"]
     topology = results["topology"]
     levels = results["trace"][topology]
-    share = results.get("cpu_share")
-    machines = (f"each worker held to {share:.2f} of a core by a CPU quota (a machine of that size)" if share
-                else "no CPU quota (the cgroup controller was not writable here): the workers share the cores"
-                if results.get("quota_wanted", True) else "one core per worker")
+    machines = describe_machines(results)
     goal_rows = results["goals"]
     headers, rows = crossover_table(results["crossover"])
     lines = [
