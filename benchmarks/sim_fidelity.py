@@ -1,21 +1,35 @@
 """Simulator fidelity: real epdserve, run several times, against ``epdserve simulate`` on the same arrivals.
 
     python benchmarks/sim_fidelity.py [--profile P] [--out out/sim_fidelity] [--quick] [--rounds N]
-        [--no-calibrate] [--no-azure] [--slo-ttft-ms MS] [--slo-tpot-ms MS]
+        [--topology T ...] [--no-calibrate] [--no-azure] [--slo-ttft-ms MS] [--slo-tpot-ms MS]
 
-1. Profile this machine (``epdserve profile``, colocated workers at 1 thread: in both
-   topologies every worker has one core), unless ``--profile`` is given.
+Topologies (``--topology``, repeatable; default all three), every worker on this machine with
+one core of its own where there is one: colocated x2 (two colocated workers), 1P1D (one prefill
+and one decode worker) and 1E1P1D (``encode=1,prefill=1,decode=1``: one encode, one prefill and
+one decode worker; on a two-core host serve wraps the cores, so the encoder and the decode
+worker share core 0).
+
+1. Profile this machine (``epdserve profile``, colocated workers at 1 thread: in every
+   topology each worker has one core; the encode role too where 1E1P1D runs), unless
+   ``--profile`` is given.
 2. The SLO is the flags' or, without them, scaled to this machine from the profile
-   (``slo_from_profile``). Workloads: random (256 in / 96 out tokens, +-25 %, Poisson) at
-   0.5 / 1 / 1.5 x capacity, and the Azure LLM-inference conversation trace (its first requests
-   in its own arrival order, lengths scaled, time compressed) at 0.5 / 1 x capacity; capacity is
-   the highest rate whose simulated SLO attainment is >= 90 % on that workload.
-3. Rounds (``--rounds``, default 3). In each round every topology (colocated x2: two colocated
-   workers on one core each; 1P1D: one prefill and one decode worker on one core each) gets a
-   fresh ``epdserve serve`` with step tracing: an unscored warm-up, unscored calibration runs
-   (two in the first round, at 0.75 x and 1.25 x the offline capacity estimate, then one a round,
-   alternating), then every (workload, level) once with the same arrivals and prompts in every
-   round (a fresh server: no run finds another's prompts in its prefix cache). Cells of one
+   (``slo_from_profile``). Workloads: on colocated x2 and 1P1D, random (256 in / 96 out
+   tokens, +-25 %, Poisson) at 0.5 / 1 / 1.5 x capacity, and the Azure LLM-inference
+   conversation trace (its first requests in its own arrival order, lengths scaled, time
+   compressed) at 0.5 / 1 x capacity (``--no-azure``: none); on 1E1P1D, images: the random
+   workload's requests through the chat endpoint with one 256 x 256 image each (one tile of
+   the default vision tower; ``simulate --images-per-request 1 --image-tiles 1``) at 0.5 / 1 /
+   1.5 x capacity. Capacity is the highest rate whose simulated SLO attainment is >= 90 % on
+   that workload.
+3. Rounds (``--rounds``, default 3). In each round every topology gets a fresh ``epdserve
+   serve`` with step tracing (prefill, decode and colocated workers; an encoder traces no
+   steps): an unscored warm-up, unscored calibration runs (two in the first round, at 0.75 x
+   and 1.25 x the offline capacity estimate, then one a round, alternating), then every
+   (workload, level) once with the same arrivals and prompts in every round (a fresh server: no
+   run finds another's prompts in its prefix cache). Warm-up and calibration runs send random
+   requests, on 1E1P1D with an image each: the encoder's first-use costs are paid before the
+   levels, and the calibration runs trace prefill steps with image tokens and decode steps next
+   to an encoder at work, as the levels have them. Cells of one
    topology run one after another; the topologies alternate within a round and the rounds
    repeat, so each cell's runs are spread over the whole stretch. Between rounds (and before
    the first) the host-drift probe (benchmarks/host_drift.py) times one fixed decode step for
@@ -25,8 +39,10 @@
    the judged runs; the capacities (and so every round's rates) come from it. After the last
    round, a second calibration on every calibration run of the stretch (the host's speed over
    the same minutes). Each real run's sends are written as a Mooncake trace (send time, prompt
-   tokens as the server counted them, output tokens) and replayed by ``epdserve simulate`` on
-   the first-round profile, on the stretch profile and on the offline profile.
+   tokens as the server counted them less the image tokens the simulator adds itself, output
+   tokens) and replayed by ``epdserve simulate`` (with the workload's images) on the first-round
+   profile, on the stretch profile and on the offline profile; every worker of a topology
+   shares one simulated host (``--instances-per-host``).
 5. Per cell (topology, workload, level) and metric (TTFT P50/P99, TPOT P50/P99, goodput): the
    real runs' mean, lowest and highest; the simulated value (mean over the runs' replays); whether
    it lies inside the real band [lowest, highest] widened by 5 % of the real mean on each side;
@@ -75,12 +91,22 @@ from epdserve.envs import get_traces_dir
 from epdserve.planner.calibrate import busy_overlap, read_step_trace, step_parts
 from epdserve.sim.cost_model import CostModel
 
-TOPOLOGIES = {  # simulator topology -> serve flags (every worker on one core)
+EPD = "encode=1,prefill=1,decode=1"
+TOPOLOGIES = {  # simulator topology -> serve flags (every worker on one core, all on this machine)
     "colocated=2": ["--colocated-workers", "2", "--cores-per-worker", "1"],
     "prefill=1,decode=1": ["--prefill-workers", "1", "--decode-workers", "1", "--cores-per-worker", "1"],
+    # Three workers on two cores: serve wraps the cores, encode on core 0, prefill on core 1,
+    # decode on core 0 again (it shares its core with the encoder).
+    EPD: ["--encode-workers", "1", "--prefill-workers", "1", "--decode-workers", "1", "--cores-per-worker", "1",
+          "--vision", "default"],
 }
+SHORT_NAMES = {"colocated=2": "co×2", "prefill=1,decode=1": "1P1D", EPD: "1E1P1D"}
 MAX_MODEL_LEN = 1024
-INSTANCES_PER_HOST = 2  # both topologies: two workers on this one machine
+# The images workload: this many images per request, each of one fixed size that is one tile of
+# the default vision tower (sides up to its 512-pixel tile), on top of the random text.
+IMAGES_PER_REQUEST = 1
+IMAGE_RESOLUTION = "256x256"
+IMAGE_TILES = 1
 ENGINE_FLAGS = ["--kv-cache-memory", "1", "--max-model-len", str(MAX_MODEL_LEN)]  # the profile records the same pool
 METRICS = ("ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "goodput")
 BAND_WIDEN = 0.05  # the real band [lowest, highest] widened by this share of the real mean, each side
@@ -138,9 +164,10 @@ class Workload:
     """What one cell sends: ``bench_args`` for ``bench serve`` and ``sim_args`` for
     ``simulate`` (capacity estimates), both at ``rate`` requests/s."""
 
-    name: str  # "random" | "azure"
+    name: str  # "random" | "azure" | "images"
     levels: tuple[float, ...]
     trace: Path | None = None
+    num_images: int = 0  # per request, IMAGE_TILES tiles each, on top of the random text (no trace)
 
     def _trace_scale(self, scale: Scale, rate: float) -> float:
         """The Azure trace's time scale that sends its first requests at ``rate`` on average."""
@@ -148,21 +175,38 @@ class Workload:
         return (num - 1) / (span * rate) if span > 0 else 1.0
 
     def bench_args(self, scale: Scale, rate: float, seed: int) -> list[str]:
-        if self.trace is None:
-            return ["--dataset", "random", "--num-prompts", str(scale.num_prompts), "--random-input-len",
-                    str(scale.input_len), "--random-output-len", str(scale.output_len), "--random-range-ratio",
-                    f"{scale.range_ratio:g}", "--request-rate", f"{rate:.4g}", "--seed", str(seed)]
-        return ["--dataset", "trace", "--dataset-path", str(self.trace), "--num-prompts", str(scale.azure_num_prompts),
-                "--trace-time-scale", f"{self._trace_scale(scale, rate):.6g}",
-                "--trace-length-scale", f"{scale.azure_length_scale:g}", "--seed", str(seed)]
+        if self.trace is not None:
+            return ["--dataset", "trace", "--dataset-path", str(self.trace), "--num-prompts",
+                    str(scale.azure_num_prompts), "--trace-time-scale", f"{self._trace_scale(scale, rate):.6g}",
+                    "--trace-length-scale", f"{scale.azure_length_scale:g}", "--seed", str(seed)]
+        text = ["--num-prompts", str(scale.num_prompts), "--random-input-len", str(scale.input_len),
+                "--random-output-len", str(scale.output_len), "--random-range-ratio", f"{scale.range_ratio:g}",
+                "--request-rate", f"{rate:.4g}", "--seed", str(seed)]
+        if not self.num_images:
+            return ["--dataset", "random", *text]
+        # Images go through the chat endpoint; ignore_eos as random's default, so that every
+        # request generates its output length, as the simulator's do.
+        return ["--dataset", "random-mm", "--endpoint", "/v1/chat/completions", *text,
+                "--random-mm-base-items-per-request", str(self.num_images),
+                "--random-mm-resolutions", IMAGE_RESOLUTION, "--ignore-eos"]
 
     def sim_args(self, scale: Scale, rate: float) -> list[str]:
-        if self.trace is None:
-            return ["--workload", "random", "--rate", f"{rate:g}", "--num-requests", str(scale.num_prompts),
-                    "--random-input-len", str(scale.input_len), "--random-output-len", str(scale.output_len),
-                    "--random-range-ratio", f"{scale.range_ratio:g}", "--seed", "0"]
-        return ["--workload", "trace", str(self.trace), "--time-scale", f"{self._trace_scale(scale, rate):.6g}",
-                "--length-scale", f"{scale.azure_length_scale:g}", "--num-requests", str(scale.azure_num_prompts)]
+        if self.trace is not None:
+            return ["--workload", "trace", str(self.trace), "--time-scale", f"{self._trace_scale(scale, rate):.6g}",
+                    "--length-scale", f"{scale.azure_length_scale:g}", "--num-requests", str(scale.azure_num_prompts)]
+        return ["--workload", "random", "--rate", f"{rate:g}", "--num-requests", str(scale.num_prompts),
+                "--random-input-len", str(scale.input_len), "--random-output-len", str(scale.output_len),
+                "--random-range-ratio", f"{scale.range_ratio:g}", "--seed", "0", *self.sim_image_args()]
+
+    def sim_image_args(self) -> list[str]:
+        """The simulator's images per request and tiles per image (capacity estimates and replays)."""
+        return ["--images-per-request", str(self.num_images), "--image-tiles", str(IMAGE_TILES)] if self.num_images else []
+
+    def num_image_tokens(self, profile: Path) -> int:
+        """Image tokens per request: what the simulator adds on top of a request's text tokens."""
+        if not self.num_images:
+            return 0
+        return self.num_images * IMAGE_TILES * CostModel.load(profile).encoder().tokens_per_tile
 
 
 @functools.lru_cache(maxsize=None)
@@ -173,11 +217,45 @@ def trace_head(path: str, num: int) -> tuple[int, float]:
     return len(records), records[-1].arrival_s - records[0].arrival_s
 
 
-def workloads(scale: Scale, with_azure: bool) -> list[Workload]:
+def role_counts(topology: str) -> dict[str, int]:
+    """``"encode=1,prefill=1,decode=1"`` -> ``{"encode": 1, "prefill": 1, "decode": 1}``."""
+    return {role: int(count) for role, _, count in (part.partition("=") for part in topology.split(","))}
+
+
+def has_encode(topology: str) -> bool:
+    return role_counts(topology).get("encode", 0) > 0
+
+
+def workloads(scale: Scale, topology: str, with_azure: bool) -> list[Workload]:
+    """A topology's workloads: with an encode worker the images workload (the random one with
+    images), else the random workload and (``with_azure``) the Azure trace."""
+    if has_encode(topology):
+        return [Workload("images", scale.load_levels, num_images=IMAGES_PER_REQUEST)]
     out = [Workload("random", scale.load_levels)]
     if with_azure:
         out.append(Workload("azure", scale.azure_levels, get_traces_dir() / AZURE_TRACE))
     return out
+
+
+def warmup_workload(topology: str) -> Workload:
+    """What the warm-up and calibration runs send: random requests, with images where the
+    topology has an encode worker (its first-use costs are warmed too, and the calibration runs
+    trace steps that prefill image tokens, next to an encoder at work, as the levels' do)."""
+    return Workload("images", (), num_images=IMAGES_PER_REQUEST) if has_encode(topology) else Workload("random", ())
+
+
+def selected_topologies(names: list[str] | None) -> list[str]:
+    """The topologies ``--topology`` named (each once, in TOPOLOGIES order); all without it."""
+    if not names:
+        return list(TOPOLOGIES)
+    return [t for t in TOPOLOGIES if t in names]
+
+
+def profile_roles(topologies: list[str]) -> str:
+    """``epdserve profile --roles``: the step roles (the SLO reads the colocated one) and encode
+    where a topology has an encode worker."""
+    roles = ["colocated", "prefill", "decode"]
+    return ",".join(roles + (["encode"] if any(has_encode(t) for t in topologies) else []))
 
 
 def slo_from_profile(profile: Path, scale: Scale) -> tuple[float, float]:
@@ -249,17 +327,30 @@ def relative_error(sim: float | None, real: float | None) -> float | None:
     return (sim - real) / real
 
 
-def write_trace(result: dict, path: Path) -> None:
-    """The real run's requests as a Mooncake trace: send time (ms), prompt and output tokens."""
-    records = zip(result["start_times"], result["input_lens"], result["output_lens"])
-    lines = [json.dumps({"timestamp": t * 1e3, "input_length": n_in, "output_length": n_out}) for t, n_in, n_out in records]
+def write_trace(result: dict, path: Path, num_image_tokens: int = 0) -> None:
+    """The real run's requests as a Mooncake trace: send time (ms), text prompt and output tokens.
+
+    ``simulate`` adds ``num_image_tokens`` (per request) on top of a record's input length. The
+    bench result's ``input_lens`` of a request that succeeded is the server's
+    ``usage.prompt_tokens``: every token of the rendered prompt, the chat template's and each
+    image's placeholder tokens (tiles x tokens per tile) included, so the image tokens are taken
+    off here, else the replay would count them twice. A failed request's length is the dataset's
+    (text only: no template, no image) and is kept."""
+    lines = []
+    for t, n_in, n_out, error in zip(result["start_times"], result["input_lens"], result["output_lens"],
+                                     result["errors"]):
+        num_text = n_in if error else max(1, n_in - num_image_tokens)
+        lines.append(json.dumps({"timestamp": t * 1e3, "input_length": num_text, "output_length": n_out}))
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
 
 
 def simulate(profile: Path, topology: str, workload: list[str], scale: Scale, out: Path, log: list[str]) -> dict:
+    """``workload``: the simulate flags of the requests; every worker of ``topology`` shares
+    this one host."""
+    num_workers = sum(role_counts(topology).values())
     run_logged(epdserve("simulate", "--profile", str(profile), "--topology", topology, *workload,
                         "--goodput", f"ttft:{scale.slo_ttft_ms:g}", f"tpot:{scale.slo_tpot_ms:g}",
-                        "--max-model-len", str(MAX_MODEL_LEN), "--instances-per-host", str(INSTANCES_PER_HOST),
+                        "--max-model-len", str(MAX_MODEL_LEN), "--instances-per-host", str(num_workers),
                         "--out", str(out), "--quiet"), log)
     return json.loads(out.read_text())
 
@@ -301,18 +392,22 @@ def wait_for_idle(pids: list[int], max_wait_s: float) -> float:
         print(f"other work uses {100 * other.value:.0f} % of the CPUs; waiting", flush=True)
 
 
-def pool_cycling_prompts(profile: Path, topology: str, scale: Scale) -> int:
+def pool_cycling_prompts(profile: Path, topology: str, scale: Scale, num_image_tokens: int = 0) -> int:
     """Requests that allocate every block of every worker's KV pool at least once (requests
-    spread evenly over the workers; each takes its prompt's and output's blocks)."""
+    spread evenly over the workers; each takes its prompt's, image tokens included, and
+    output's blocks). Roles without a KV pool (encode) need none."""
     data = json.loads(profile.read_text())
     block_size = data["block_size"]
-    counts = {part.split("=")[0]: int(part.split("=")[1]) for part in topology.split(",")}
-    blocks_per_request = -(-(scale.input_len + scale.output_len) // block_size)
-    prefill_blocks = -(-scale.input_len // block_size)
+    num_prompt = scale.input_len + num_image_tokens
+    blocks_per_request = -(-(num_prompt + scale.output_len) // block_size)
+    prefill_blocks = -(-num_prompt // block_size)
     need = 0
-    for role, count in counts.items():
+    for role, count in role_counts(topology).items():
+        num_kv_blocks = data["roles"][role].get("num_kv_blocks")
+        if num_kv_blocks is None:
+            continue
         per_request = prefill_blocks if role == "prefill" else blocks_per_request
-        need = max(need, count * -(-data["roles"][role]["num_kv_blocks"] // per_request))
+        need = max(need, count * -(-num_kv_blocks // per_request))
     return need
 
 
@@ -337,9 +432,9 @@ def bench_serve(url: str, args: list[str], scale: Scale, out: Path, log: list[st
     return json.loads(out.read_text())
 
 
-def random_args(scale: Scale, rate: float, num_prompts: int, seed: int) -> list[str]:
-    """The random workload's ``bench serve`` flags for the warm-up and calibration runs."""
-    return Workload("random", ()).bench_args(replace(scale, num_prompts=num_prompts), rate, seed)
+def warmup_args(topology: str, scale: Scale, rate: float, num_prompts: int, seed: int) -> list[str]:
+    """The ``bench serve`` flags of a warm-up or calibration run (``warmup_workload``)."""
+    return warmup_workload(topology).bench_args(replace(scale, num_prompts=num_prompts), rate, seed)
 
 
 def probe_drift(scale: Scale, out: Path, log: list[str]) -> dict | None:
@@ -380,7 +475,7 @@ class TopologyState:
 def run_round(topology: str, round_index: int, profile: Path, state: TopologyState, loads: list[Workload],
               scale: Scale, out_dir: Path, log: list[str], max_wait_idle_s: float, calibrate: bool) -> None:
     """One fresh server of ``topology``: warm-up, calibration run(s), then every (workload,
-    level) once with the arrivals every round shares."""
+    level) of its ``loads`` once with the arrivals every round shares."""
     name = topology.replace("=", "").replace(",", "_")
     trace_dir = out_dir / f"steps_{name}_r{round_index + 1}"
     if trace_dir.exists():
@@ -391,7 +486,8 @@ def run_round(topology: str, round_index: int, profile: Path, state: TopologySta
                           out_dir / "logs" / f"{name}_r{round_index + 1}")
     log.append(server.command)
     pids = [server.process.pid, *(w["pid"] for w in list_workers(server))]
-    offline_capacity = state.offline_capacities["random"]  # warm-up and calibration rates
+    warmup = warmup_workload(topology)
+    offline_capacity = state.offline_capacities[warmup.name]  # warm-up and calibration rates
     try:
         # Warm-up (not scored): first-use costs (kernels, page faults on the KV pool) are not
         # in the profile, and a fresh pool hands out each request's pages in one contiguous
@@ -400,8 +496,9 @@ def run_round(topology: str, round_index: int, profile: Path, state: TopologySta
         # every worker's pool once, so calibration and levels all see a churned pool.
         num_warmup = scale.num_warmup_prompts
         if scale.cycle_kv_pool:
-            num_warmup = max(num_warmup, pool_cycling_prompts(profile, topology, scale))
-        bench_serve(server.url, random_args(scale, offline_capacity, num_warmup, WARMUP_SEED), scale,
+            num_warmup = max(num_warmup, pool_cycling_prompts(profile, topology, scale,
+                                                              warmup.num_image_tokens(profile)))
+        bench_serve(server.url, warmup_args(topology, scale, offline_capacity, num_warmup, WARMUP_SEED), scale,
                     out_dir / f"warmup_{name}_r{round_index + 1}.json", log)
         if calibrate:
             loads_x = CALIBRATION_LOADS if round_index == 0 else (
@@ -410,8 +507,8 @@ def run_round(topology: str, round_index: int, profile: Path, state: TopologySta
                 k = len(state.calibration_windows)
                 wait_for_idle(pids, max_wait_idle_s)
                 start = time.monotonic()
-                bench_serve(server.url, random_args(scale, load * offline_capacity, scale.num_calibration_prompts,
-                                                    CALIBRATION_SEED + k),
+                bench_serve(server.url, warmup_args(topology, scale, load * offline_capacity,
+                                                    scale.num_calibration_prompts, CALIBRATION_SEED + k),
                             scale, out_dir / f"calibration_{name}_r{round_index + 1}_x{load:g}.json", log)
                 state.calibration_windows.append((round_index, start, time.monotonic()))
             if round_index == 0:
@@ -546,7 +643,7 @@ PROFILE_KEYS = {"sim": "the profile calibrated before the judged runs", "sim_str
 
 
 def cell_label(c: dict) -> str:
-    short = {"colocated=2": "co×2", "prefill=1,decode=1": "1P1D"}.get(c["topology"], c["topology"])
+    short = SHORT_NAMES.get(c["topology"], c["topology"])
     return f"{short} {c['workload']} {c['load']:g}x"
 
 
@@ -629,12 +726,8 @@ def build_report(cells: list[dict], judgements: dict[str, dict], scale: Scale, r
         "# sim_fidelity",
         "",
         (f"{scale.rounds} runs per cell, each on a fresh server with the same arrivals and prompts, in rounds (every "
-         f"topology once a round, topologies alternating). Random workload: {scale.num_prompts} requests of "
-         f"{scale.input_len} prompt and {scale.output_len} output tokens (±{100 * scale.range_ratio:.0f} %), Poisson, at "
-         + ", ".join(f"{x:g}x" for x in scale.load_levels) + " capacity"
-         + (f"; the Azure conversation trace: its first {scale.azure_num_prompts} requests, lengths × "
-            f"{scale.azure_length_scale:g}, time compressed to " + ", ".join(f"{x:g}x" for x in scale.azure_levels)
-            + " its capacity" if results["with_azure"] else "")
+         f"topology once a round, topologies alternating). "
+         + describe_workloads(scale, results["workloads"])
          + f". SLO: TTFT ≤ {scale.slo_ttft_ms:g} ms and TPOT ≤ {scale.slo_tpot_ms:g} ms. Capacity: the highest rate "
          "with ≥ 90 % simulated SLO attainment on the profile calibrated in the first round: "
          + "; ".join(f"{t}: " + ", ".join(f"{w} {r:g} req/s" for w, r in caps.items())
@@ -668,6 +761,25 @@ def build_report(cells: list[dict], judgements: dict[str, dict], scale: Scale, r
     return "\n".join(lines)
 
 
+def describe_workloads(scale: Scale, loads: dict[str, list[str]]) -> str:
+    """One sentence per workload that ran, with the topologies it ran on (no final stop)."""
+    on: dict[str, list[str]] = {}
+    for topology, names in loads.items():
+        for name in names:
+            on.setdefault(name, []).append(SHORT_NAMES.get(topology, topology))
+    levels = ", ".join(f"{x:g}x" for x in scale.load_levels)
+    text = {
+        "random": (f"Random workload: {scale.num_prompts} requests of {scale.input_len} prompt and {scale.output_len} "
+                   f"output tokens (±{100 * scale.range_ratio:.0f} %), Poisson, at {levels} capacity"),
+        "azure": (f"The Azure conversation trace: its first {scale.azure_num_prompts} requests, lengths × "
+                  f"{scale.azure_length_scale:g}, time compressed to " + ", ".join(f"{x:g}x" for x in scale.azure_levels)
+                  + " its capacity"),
+        "images": (f"Images workload: the random workload's requests, each with {IMAGES_PER_REQUEST} image of "
+                   f"{IMAGE_RESOLUTION} pixels ({IMAGE_TILES} tile) through the chat endpoint, at {levels} its capacity"),
+    }
+    return ". ".join(f"{text[name]} (on {', '.join(topologies)})" for name, topologies in on.items())
+
+
 def format_factors(factors: dict[str, dict]) -> list[str]:
     """One bullet per topology: each role's calibrated factors."""
     return [f"- {topology}: " + "; ".join(
@@ -688,8 +800,8 @@ def calibration_factors(cells: list[dict], key: str) -> dict[str, dict]:
     return {t: f for t, f in out.items() if f}
 
 
-def judge_runs(states: dict[str, TopologyState], profile: Path, scale: Scale, out_dir: Path, log: list[str],
-               calibrate: bool) -> list[dict]:
+def judge_runs(states: dict[str, TopologyState], loads: dict[str, list[Workload]], profile: Path, scale: Scale,
+               out_dir: Path, log: list[str], calibrate: bool) -> list[dict]:
     """Replay every real run in the simulator on each profile; one cell per (topology,
     workload, level) with its runs' summaries and the step-time attribution."""
     cells = []
@@ -705,7 +817,10 @@ def judge_runs(states: dict[str, TopologyState], profile: Path, scale: Scale, ou
         groups: dict[tuple[str, float], list[RealRun]] = {}
         for run in state.runs:
             groups.setdefault((run.workload, run.level), []).append(run)
+        by_name = {w.name: w for w in loads[topology]}
         for (workload, level), runs in groups.items():
+            images = by_name[workload].sim_image_args()
+            num_image_tokens = by_name[workload].num_image_tokens(profile)
             reals = [json.loads(Path(r.result_path).read_text()) for r in runs]
             real_runs = [score(r, scale.slo_ttft_ms, scale.slo_tpot_ms) for r in reals]
             cell = {"topology": topology, "workload": workload, "load": level, "rate": runs[0].rate,
@@ -713,11 +828,12 @@ def judge_runs(states: dict[str, TopologyState], profile: Path, scale: Scale, ou
                     "other_work_share": max(r.other_work_share for r in runs),
                     "profiles": {k: str(v) for k, v in profiles.items()}}
             for run, real in zip(runs, reals):
-                write_trace(real, out_dir / f"trace_{run.tag}.jsonl")
+                write_trace(real, out_dir / f"trace_{run.tag}.jsonl", num_image_tokens)
             for key, path in profiles.items():
                 suffix = {"sim": "", "sim_stretch": "_stretch", "sim_offline": "_offline"}[key]
-                sims = [simulate(path, topology, ["--workload", "trace", str(out_dir / f"trace_{run.tag}.jsonl")],
-                                 scale, out_dir / f"sim{suffix}_{run.tag}.json", log) for run in runs]
+                sims = [simulate(path, topology, ["--workload", "trace", str(out_dir / f"trace_{run.tag}.jsonl"),
+                                                  *images], scale, out_dir / f"sim{suffix}_{run.tag}.json", log)
+                        for run in runs]
                 cell[f"{key}_runs"] = [score(s, scale.slo_ttft_ms, scale.slo_tpot_ms) for s in sims]
                 cell[key] = summarize_cell(real_runs, cell[f"{key}_runs"])
             ratios: dict[str, dict] = {}
@@ -746,11 +862,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--profile", type=Path, default=None, help="profile.json (default: measure one first)")
     parser.add_argument("--out", type=Path, default=Path("out/sim_fidelity"))
-    parser.add_argument("--only", choices=list(TOPOLOGIES), default=None, help="run just this topology")
+    parser.add_argument("--topology", "--only", dest="topologies", action="append", choices=list(TOPOLOGIES),
+                        default=None, help="run this topology (repeat for several; default: all)")
     parser.add_argument("--quick", action="store_true", help="tiny sizes: checks that everything runs")
     parser.add_argument("--rounds", type=int, default=None,
                         help="real runs per cell, each on a fresh server (default: 3; --quick: 2)")
-    parser.add_argument("--no-azure", action="store_true", help="the random workload only")
+    parser.add_argument("--no-azure", action="store_true", help="no Azure trace cells (random and images only)")
     parser.add_argument("--busy-neighbours", action="store_true",
                         help="profile each role next to a busy worker on the other core (epdserve profile flag)")
     parser.add_argument("--no-calibrate", action="store_true",
@@ -775,37 +892,38 @@ def main(argv: list[str] | None = None) -> int:
     busy = cpu_busy_share()
     print(f"CPU busy with other work before the start: {100 * busy:.0f} %", flush=True)
     commands: list[str] = []
+    topologies = selected_topologies(ns.topologies)
     profile = ns.profile
     if profile is None:
         wait_for_idle([], ns.max_wait_idle_s)
         profile = out_dir / "profile.json"
-        run_logged(epdserve("profile", "--roles", "colocated,prefill,decode", "--threads", "colocated=1",
+        run_logged(epdserve("profile", "--roles", profile_roles(topologies), "--threads", "colocated=1",
                             *ENGINE_FLAGS, "--out", str(profile), "--disable-tqdm",
                             *(["--busy-neighbours"] if ns.busy_neighbours else []),
                             *(["--quick"] if scale.profile_quick else [])), commands)
     auto_ttft_ms, auto_tpot_ms = slo_from_profile(profile, scale)
     scale = replace(scale, slo_ttft_ms=ns.slo_ttft_ms or auto_ttft_ms, slo_tpot_ms=ns.slo_tpot_ms or auto_tpot_ms)
     print(f"SLO: TTFT <= {scale.slo_ttft_ms:g} ms, TPOT <= {scale.slo_tpot_ms:g} ms", flush=True)
-    topologies = [ns.only] if ns.only else list(TOPOLOGIES)
-    loads = workloads(scale, not ns.no_azure)
+    loads = {t: workloads(scale, t, not ns.no_azure) for t in topologies}
     started = time.time()
     states = {t: TopologyState() for t in topologies}
     for t in topologies:  # the offline estimate: the warm-up's and calibration runs' rates, and without calibration the levels'
         states[t].capacities = {w.name: estimate_capacity(profile, t, w, scale, out_dir / "capacity", commands)
-                                for w in loads}
+                                for w in loads[t]}
     for s in states.values():
         s.offline_capacities = dict(s.capacities)
     offline_capacities = {t: dict(s.capacities) for t, s in states.items()}
     drift = [probe_drift(scale, out_dir / "drift_r0.json", commands)]
     for round_index in range(scale.rounds):
         for t in topologies:
-            run_round(t, round_index, profile, states[t], loads, scale, out_dir, commands, ns.max_wait_idle_s,
+            run_round(t, round_index, profile, states[t], loads[t], scale, out_dir, commands, ns.max_wait_idle_s,
                       not ns.no_calibrate)
         drift.append(probe_drift(scale, out_dir / f"drift_r{round_index + 1}.json", commands))
-    cells = judge_runs(states, profile, scale, out_dir, commands, not ns.no_calibrate)
+    cells = judge_runs(states, loads, profile, scale, out_dir, commands, not ns.no_calibrate)
     judgements = {key: judge(cells, key) for key in PROFILE_KEYS if all(key in c for c in cells)}
     results = {"scale": scale.__dict__, "capacities": {t: s.capacities for t, s in states.items()},
-               "offline_capacities": offline_capacities, "with_azure": not ns.no_azure, "cells": cells,
+               "offline_capacities": offline_capacities, "with_azure": not ns.no_azure,
+               "workloads": {t: [w.name for w in ws] for t, ws in loads.items()}, "cells": cells,
                "judgements": judgements, "host_drift": drift, "busy_at_start": busy, "profile": str(profile),
                "commands": commands, "wall_s": time.time() - started}
     (out_dir / "results.json").write_text(json.dumps(results, indent=2, default=str) + "\n", encoding="utf-8")
