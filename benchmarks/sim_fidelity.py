@@ -12,15 +12,15 @@ worker share core 0).
 1. Profile this machine (``epdserve profile``, colocated workers at 1 thread: in every
    topology each worker has one core; the encode role too where 1E1P1D runs), unless
    ``--profile`` is given.
-2. The SLO is the flags' or, without them, scaled to this machine from the profile
-   (``slo_from_profile``). Workloads: on colocated x2 and 1P1D, random (256 in / 96 out
-   tokens, +-25 %, Poisson) at 0.5 / 1 / 1.5 x capacity, and the Azure LLM-inference
-   conversation trace (its first requests in its own arrival order, lengths scaled, time
-   compressed) at 0.5 / 1 x capacity (``--no-azure``: none); on 1E1P1D, images: the random
-   workload's requests through the chat endpoint with one 256 x 256 image each (one tile of
-   the default vision tower; ``simulate --images-per-request 1 --image-tiles 1``) at 0.5 / 1 /
-   1.5 x capacity. Capacity is the highest rate whose simulated SLO attainment is >= 90 % on
-   that workload.
+2. The SLO is the flags' or, without them, scaled to this machine from the profile, per
+   workload (``slo_from_profile``: with images, their encode and image tokens count too).
+   Workloads: on colocated x2 and 1P1D, random (256 in / 96 out tokens, +-25 %, Poisson) at
+   0.5 / 1 / 1.5 x capacity, and the Azure LLM-inference conversation trace (its first requests
+   in its own arrival order, lengths scaled, time compressed) at 0.5 / 1 x capacity
+   (``--no-azure``: none); on 1E1P1D, images: the random workload's requests through the chat
+   endpoint with one 256 x 256 image each (one tile of the default vision tower; ``simulate
+   --images-per-request 1 --image-tiles 1``) at 0.5 / 1 / 1.5 x capacity. Capacity is the
+   highest rate whose simulated SLO attainment is >= 90 % on that workload.
 3. Rounds (``--rounds``, default 3). In each round every topology gets a fresh ``epdserve
    serve`` with step tracing (prefill, decode and colocated workers; an encoder traces no
    steps): an unscored warm-up, unscored calibration runs (two in the first round, at 0.75 x
@@ -72,6 +72,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -140,23 +141,33 @@ class Scale:
     azure_levels: tuple[float, ...]  # the Azure trace: multiples of its estimated capacity
     azure_num_prompts: int  # its first requests
     azure_length_scale: float  # its prompt and output lengths x this
-    slo_ttft_ms: float
-    slo_tpot_ms: float
     profile_quick: bool
     cycle_kv_pool: bool  # warm up until every worker's KV pool has been allocated once
     rounds: int  # real runs per cell, each on a fresh server
     drift_s: float  # the host-drift probe's length before the first round and after each (0: none)
 
 
-FULL = Scale(160, 16, 150, 256, 96, 0.25, (0.5, 1.0, 1.5), (0.5, 1.0), 160, 0.2, 1000.0, 80.0, False, True, 3, 20.0)
-QUICK = Scale(10, 4, 24, 64, 8, 0.25, (0.5, 1.0), (1.0,), 10, 0.05, 1000.0, 80.0, True, False, 2, 0.0)
-# SLO from the profile (no --slo-ttft-ms / --slo-tpot-ms): TTFT within this many times one
-# prompt's prefill alone, TPOT within this many times a decode step of one sequence, on the
+FULL = Scale(160, 16, 150, 256, 96, 0.25, (0.5, 1.0, 1.5), (0.5, 1.0), 160, 0.2, False, True, 3, 20.0)
+QUICK = Scale(10, 4, 24, 64, 8, 0.25, (0.5, 1.0), (1.0,), 10, 0.05, True, False, 2, 0.0)
+# SLO from the profile (no --slo-ttft-ms / --slo-tpot-ms), per workload: TTFT within this many
+# times one request's prefill alone (with images: its images' encode plus the prefill of its
+# text and image tokens), TPOT within this many times a decode step of one sequence, on the
 # colocated role's cost. Runs 1-11 (docs/benchmarks.md) used a fixed 1000 / 80 ms
 # (--slo-ttft-ms 1000 --slo-tpot-ms 80), set for their AVX-512 host; on a slower host a decode
-# step of one sequence alone can take longer than 80 ms, and no rate would meet that SLO.
+# step of one sequence alone can take longer than 80 ms, and no rate would meet that SLO. One
+# SLO for text and image requests alike would not do either: one image's encode alone can take
+# about as long as a text prompt's prefill, and no rate would meet a text prompt's TTFT SLO.
 SLO_TTFT_PREFILLS = 4.0
 SLO_TPOT_STEPS = 5.0
+
+
+class Slo(NamedTuple):
+    ttft_ms: float
+    tpot_ms: float
+
+    def goodput_args(self) -> list[str]:
+        """``--goodput`` of ``bench serve`` and ``simulate``."""
+        return ["--goodput", f"ttft:{self.ttft_ms:g}", f"tpot:{self.tpot_ms:g}"]
 
 
 @dataclass(frozen=True)
@@ -168,6 +179,7 @@ class Workload:
     levels: tuple[float, ...]
     trace: Path | None = None
     num_images: int = 0  # per request, IMAGE_TILES tiles each, on top of the random text (no trace)
+    slo: Slo | None = None  # what its requests are scored against (main sets it: with_slo)
 
     def _trace_scale(self, scale: Scale, rate: float) -> float:
         """The Azure trace's time scale that sends its first requests at ``rate`` on average."""
@@ -200,7 +212,9 @@ class Workload:
 
     def sim_image_args(self) -> list[str]:
         """The simulator's images per request and tiles per image (capacity estimates and replays)."""
-        return ["--images-per-request", str(self.num_images), "--image-tiles", str(IMAGE_TILES)] if self.num_images else []
+        if not self.num_images:
+            return []
+        return ["--images-per-request", str(self.num_images), "--image-tiles", str(IMAGE_TILES)]
 
     def num_image_tokens(self, profile: Path) -> int:
         """Image tokens per request: what the simulator adds on top of a request's text tokens."""
@@ -237,11 +251,11 @@ def workloads(scale: Scale, topology: str, with_azure: bool) -> list[Workload]:
     return out
 
 
-def warmup_workload(topology: str) -> Workload:
-    """What the warm-up and calibration runs send: random requests, with images where the
-    topology has an encode worker (its first-use costs are warmed too, and the calibration runs
+def warmup_workload(loads: list[Workload]) -> Workload:
+    """What a topology's warm-up and calibration runs send: its random workload, with images
+    where it has them (the encoder's first-use costs are warmed too, and the calibration runs
     trace steps that prefill image tokens, next to an encoder at work, as the levels' do)."""
-    return Workload("images", (), num_images=IMAGES_PER_REQUEST) if has_encode(topology) else Workload("random", ())
+    return next(w for w in loads if w.trace is None)
 
 
 def selected_topologies(names: list[str] | None) -> list[str]:
@@ -258,13 +272,24 @@ def profile_roles(topologies: list[str]) -> str:
     return ",".join(roles + (["encode"] if any(has_encode(t) for t in topologies) else []))
 
 
-def slo_from_profile(profile: Path, scale: Scale) -> tuple[float, float]:
-    """(TTFT, TPOT) SLO in ms, rounded to 10 ms, from the profile's colocated step cost."""
-    step = CostModel.load(profile).role("colocated").step
-    n = scale.input_len
+def slo_from_profile(profile: Path, scale: Scale, workload: Workload) -> Slo:
+    """The SLO in ms, rounded to 10 ms, from the profile's colocated step cost (and encoder cost
+    for a workload with images) on a request of the random workload's mean length."""
+    cost = CostModel.load(profile)
+    step = cost.role("colocated").step
+    n = scale.input_len + workload.num_image_tokens(profile)
     prefill_s = step.time_s(StepShape(n, n * (n + 1) // 2, 0, 0))
-    decode_s = step.time_s(StepShape(0, 0, 1, scale.input_len + scale.output_len // 2))
-    return (round(SLO_TTFT_PREFILLS * prefill_s * 100) * 10.0, round(SLO_TPOT_STEPS * decode_s * 100) * 10.0)
+    if workload.num_images:
+        prefill_s += workload.num_images * cost.encoder().time_s(IMAGE_TILES)
+    decode_s = step.time_s(StepShape(0, 0, 1, n + scale.output_len // 2))
+    return Slo(round(SLO_TTFT_PREFILLS * prefill_s * 100) * 10.0, round(SLO_TPOT_STEPS * decode_s * 100) * 10.0)
+
+
+def with_slo(workload: Workload, profile: Path, scale: Scale, ttft_ms: float | None,
+             tpot_ms: float | None) -> Workload:
+    """``workload`` with its SLO: the flags', each part from the profile where its flag is not given."""
+    auto = slo_from_profile(profile, scale, workload)
+    return replace(workload, slo=Slo(ttft_ms or auto.ttft_ms, tpot_ms or auto.tpot_ms))
 
 
 def epdserve(*args: str) -> list[str]:
@@ -282,7 +307,7 @@ def run_logged(cmd: list[str], log: list[str]) -> subprocess.CompletedProcess:
     return proc
 
 
-def score(result: dict | list[dict], slo_ttft_ms: float, slo_tpot_ms: float) -> dict:
+def score(result: dict | list[dict], slo: Slo) -> dict:
     """The compared metrics from bench-shaped results' per-request lists. Several results (runs
     of one level) are pooled: percentiles over all their requests, goodput = all requests meeting
     the SLO / the runs' summed spans (each from its first send to its last finish)."""
@@ -302,7 +327,7 @@ def score(result: dict | list[dict], slo_ttft_ms: float, slo_tpot_ms: float) -> 
             span_s += float(ends.max() - starts.min())
         num_requests += len(starts)
         num_ok += len(ok)
-        num_good += int(np.sum((ttft <= slo_ttft_ms) & (tpot <= slo_tpot_ms)))
+        num_good += int(np.sum((ttft <= slo.ttft_ms) & (tpot <= slo.tpot_ms)))
         ttft_parts.append(ttft)
         tpot_parts.append(tpot)
         has_tpot_parts.append(out > 1)
@@ -344,13 +369,13 @@ def write_trace(result: dict, path: Path, num_image_tokens: int = 0) -> None:
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
 
 
-def simulate(profile: Path, topology: str, workload: list[str], scale: Scale, out: Path, log: list[str]) -> dict:
+def simulate(profile: Path, topology: str, workload: list[str], slo: Slo, out: Path, log: list[str]) -> dict:
     """``workload``: the simulate flags of the requests; every worker of ``topology`` shares
     this one host."""
     num_workers = sum(role_counts(topology).values())
     run_logged(epdserve("simulate", "--profile", str(profile), "--topology", topology, *workload,
-                        "--goodput", f"ttft:{scale.slo_ttft_ms:g}", f"tpot:{scale.slo_tpot_ms:g}",
-                        "--max-model-len", str(MAX_MODEL_LEN), "--instances-per-host", str(num_workers),
+                        *slo.goodput_args(), "--max-model-len", str(MAX_MODEL_LEN),
+                        "--instances-per-host", str(num_workers),
                         "--out", str(out), "--quiet"), log)
     return json.loads(out.read_text())
 
@@ -417,24 +442,23 @@ def estimate_capacity(profile: Path, topology: str, workload: Workload, scale: S
     best = CAPACITY_RATES[0]
     for rate in CAPACITY_RATES:
         name = topology.replace("=", "").replace(",", "_")
-        result = simulate(profile, topology, workload.sim_args(scale, rate), scale,
+        result = simulate(profile, topology, workload.sim_args(scale, rate), workload.slo,
                           out_dir / f"capacity_{name}_{workload.name}_{rate:g}.json", log)
-        if score(result, scale.slo_ttft_ms, scale.slo_tpot_ms)["attainment"] < TARGET_ATTAINMENT:
+        if score(result, workload.slo)["attainment"] < TARGET_ATTAINMENT:
             break
         best = rate
     return best
 
 
-def bench_serve(url: str, args: list[str], scale: Scale, out: Path, log: list[str]) -> dict:
-    run_logged(epdserve("bench", "serve", "--base-url", url, *args, "--return-timing",
-                        "--goodput", f"ttft:{scale.slo_ttft_ms:g}", f"tpot:{scale.slo_tpot_ms:g}",
+def bench_serve(url: str, args: list[str], slo: Slo, out: Path, log: list[str]) -> dict:
+    run_logged(epdserve("bench", "serve", "--base-url", url, *args, "--return-timing", *slo.goodput_args(),
                         "--result-json", str(out), "--disable-tqdm"), log)
     return json.loads(out.read_text())
 
 
-def warmup_args(topology: str, scale: Scale, rate: float, num_prompts: int, seed: int) -> list[str]:
+def warmup_args(warmup: Workload, scale: Scale, rate: float, num_prompts: int, seed: int) -> list[str]:
     """The ``bench serve`` flags of a warm-up or calibration run (``warmup_workload``)."""
-    return warmup_workload(topology).bench_args(replace(scale, num_prompts=num_prompts), rate, seed)
+    return warmup.bench_args(replace(scale, num_prompts=num_prompts), rate, seed)
 
 
 def probe_drift(scale: Scale, out: Path, log: list[str]) -> dict | None:
@@ -486,7 +510,7 @@ def run_round(topology: str, round_index: int, profile: Path, state: TopologySta
                           out_dir / "logs" / f"{name}_r{round_index + 1}")
     log.append(server.command)
     pids = [server.process.pid, *(w["pid"] for w in list_workers(server))]
-    warmup = warmup_workload(topology)
+    warmup = warmup_workload(loads)
     offline_capacity = state.offline_capacities[warmup.name]  # warm-up and calibration rates
     try:
         # Warm-up (not scored): first-use costs (kernels, page faults on the KV pool) are not
@@ -498,7 +522,7 @@ def run_round(topology: str, round_index: int, profile: Path, state: TopologySta
         if scale.cycle_kv_pool:
             num_warmup = max(num_warmup, pool_cycling_prompts(profile, topology, scale,
                                                               warmup.num_image_tokens(profile)))
-        bench_serve(server.url, warmup_args(topology, scale, offline_capacity, num_warmup, WARMUP_SEED), scale,
+        bench_serve(server.url, warmup_args(warmup, scale, offline_capacity, num_warmup, WARMUP_SEED), warmup.slo,
                     out_dir / f"warmup_{name}_r{round_index + 1}.json", log)
         if calibrate:
             loads_x = CALIBRATION_LOADS if round_index == 0 else (
@@ -507,9 +531,9 @@ def run_round(topology: str, round_index: int, profile: Path, state: TopologySta
                 k = len(state.calibration_windows)
                 wait_for_idle(pids, max_wait_idle_s)
                 start = time.monotonic()
-                bench_serve(server.url, warmup_args(topology, scale, load * offline_capacity,
+                bench_serve(server.url, warmup_args(warmup, scale, load * offline_capacity,
                                                     scale.num_calibration_prompts, CALIBRATION_SEED + k),
-                            scale, out_dir / f"calibration_{name}_r{round_index + 1}_x{load:g}.json", log)
+                            warmup.slo, out_dir / f"calibration_{name}_r{round_index + 1}_x{load:g}.json", log)
                 state.calibration_windows.append((round_index, start, time.monotonic()))
             if round_index == 0:
                 # The profile a user has before the judged runs; the levels are multiples of
@@ -529,7 +553,7 @@ def run_round(topology: str, round_index: int, profile: Path, state: TopologySta
                 wait_for_idle(pids, max_wait_idle_s)
                 start = time.monotonic()
                 with other_work(pids) as other:
-                    bench_serve(server.url, workload.bench_args(scale, rate, LEVEL_SEED + cell_index), scale,
+                    bench_serve(server.url, workload.bench_args(scale, rate, LEVEL_SEED + cell_index), workload.slo,
                                 out_dir / f"real_{tag}.json", log)
                 state.runs.append(RealRun(topology, workload.name, level, rate, round_index, tag,
                                           (start, time.monotonic()), other.value, str(out_dir / f"real_{tag}.json")))
@@ -728,7 +752,7 @@ def build_report(cells: list[dict], judgements: dict[str, dict], scale: Scale, r
         (f"{scale.rounds} runs per cell, each on a fresh server with the same arrivals and prompts, in rounds (every "
          f"topology once a round, topologies alternating). "
          + describe_workloads(scale, results["workloads"])
-         + f". SLO: TTFT ≤ {scale.slo_ttft_ms:g} ms and TPOT ≤ {scale.slo_tpot_ms:g} ms. Capacity: the highest rate "
+         + ". " + describe_slos(results["slos"]) + ". Capacity: the highest rate "
          "with ≥ 90 % simulated SLO attainment on the profile calibrated in the first round: "
          + "; ".join(f"{t}: " + ", ".join(f"{w} {r:g} req/s" for w, r in caps.items())
                      for t, caps in results["capacities"].items()) + "."),
@@ -780,6 +804,18 @@ def describe_workloads(scale: Scale, loads: dict[str, list[str]]) -> str:
     return ". ".join(f"{text[name]} (on {', '.join(topologies)})" for name, topologies in on.items())
 
 
+def describe_slos(slos: dict[str, dict]) -> str:
+    """The SLO, once per set of workloads that share it."""
+    names: dict[tuple[float, float], list[str]] = {}
+    for name, slo in slos.items():
+        names.setdefault((slo["ttft_ms"], slo["tpot_ms"]), []).append(name)
+    if len(names) == 1:
+        (ttft, tpot), = names
+        return f"SLO: TTFT ≤ {ttft:g} ms and TPOT ≤ {tpot:g} ms"
+    return "SLO: " + "; ".join(f"{', '.join(n)}: TTFT ≤ {ttft:g} ms and TPOT ≤ {tpot:g} ms"
+                               for (ttft, tpot), n in names.items())
+
+
 def format_factors(factors: dict[str, dict]) -> list[str]:
     """One bullet per topology: each role's calibrated factors."""
     return [f"- {topology}: " + "; ".join(
@@ -821,9 +857,10 @@ def judge_runs(states: dict[str, TopologyState], loads: dict[str, list[Workload]
         for (workload, level), runs in groups.items():
             images = by_name[workload].sim_image_args()
             num_image_tokens = by_name[workload].num_image_tokens(profile)
+            slo = by_name[workload].slo
             reals = [json.loads(Path(r.result_path).read_text()) for r in runs]
-            real_runs = [score(r, scale.slo_ttft_ms, scale.slo_tpot_ms) for r in reals]
-            cell = {"topology": topology, "workload": workload, "load": level, "rate": runs[0].rate,
+            real_runs = [score(r, slo) for r in reals]
+            cell = {"topology": topology, "workload": workload, "load": level, "rate": runs[0].rate, "slo": slo,
                     "num_runs": len(runs), "real_runs": real_runs, "tags": [r.tag for r in runs],
                     "other_work_share": max(r.other_work_share for r in runs),
                     "profiles": {k: str(v) for k, v in profiles.items()}}
@@ -832,9 +869,9 @@ def judge_runs(states: dict[str, TopologyState], loads: dict[str, list[Workload]
             for key, path in profiles.items():
                 suffix = {"sim": "", "sim_stretch": "_stretch", "sim_offline": "_offline"}[key]
                 sims = [simulate(path, topology, ["--workload", "trace", str(out_dir / f"trace_{run.tag}.jsonl"),
-                                                  *images], scale, out_dir / f"sim{suffix}_{run.tag}.json", log)
+                                                  *images], slo, out_dir / f"sim{suffix}_{run.tag}.json", log)
                         for run in runs]
-                cell[f"{key}_runs"] = [score(s, scale.slo_ttft_ms, scale.slo_tpot_ms) for s in sims]
+                cell[f"{key}_runs"] = [score(s, slo) for s in sims]
                 cell[key] = summarize_cell(real_runs, cell[f"{key}_runs"])
             ratios: dict[str, dict] = {}
             for k, trace_dir in enumerate(state.trace_dirs):
@@ -875,7 +912,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-wait-idle-s", type=float, default=600.0,
                         help="before each level, wait up to this long for other work to leave the CPUs")
     parser.add_argument("--slo-ttft-ms", type=float, default=None,
-                        help=f"TTFT SLO (default: {SLO_TTFT_PREFILLS:g} x one prompt's prefill on the profile)")
+                        help=f"TTFT SLO (default, per workload: {SLO_TTFT_PREFILLS:g} x one request's prefill, "
+                             "and encode with images, on the profile)")
     parser.add_argument("--slo-tpot-ms", type=float, default=None,
                         help=f"TPOT SLO (default: {SLO_TPOT_STEPS:g} x a decode step of one sequence on the profile)")
     ns = parser.parse_args(argv)
@@ -901,10 +939,11 @@ def main(argv: list[str] | None = None) -> int:
                             *ENGINE_FLAGS, "--out", str(profile), "--disable-tqdm",
                             *(["--busy-neighbours"] if ns.busy_neighbours else []),
                             *(["--quick"] if scale.profile_quick else [])), commands)
-    auto_ttft_ms, auto_tpot_ms = slo_from_profile(profile, scale)
-    scale = replace(scale, slo_ttft_ms=ns.slo_ttft_ms or auto_ttft_ms, slo_tpot_ms=ns.slo_tpot_ms or auto_tpot_ms)
-    print(f"SLO: TTFT <= {scale.slo_ttft_ms:g} ms, TPOT <= {scale.slo_tpot_ms:g} ms", flush=True)
-    loads = {t: workloads(scale, t, not ns.no_azure) for t in topologies}
+    loads = {t: [with_slo(w, profile, scale, ns.slo_ttft_ms, ns.slo_tpot_ms)
+                 for w in workloads(scale, t, not ns.no_azure)] for t in topologies}
+    slos = {w.name: w.slo for ws in loads.values() for w in ws}
+    for name, slo in slos.items():
+        print(f"SLO of {name}: TTFT <= {slo.ttft_ms:g} ms, TPOT <= {slo.tpot_ms:g} ms", flush=True)
     started = time.time()
     states = {t: TopologyState() for t in topologies}
     for t in topologies:  # the offline estimate: the warm-up's and calibration runs' rates, and without calibration the levels'
@@ -923,7 +962,8 @@ def main(argv: list[str] | None = None) -> int:
     judgements = {key: judge(cells, key) for key in PROFILE_KEYS if all(key in c for c in cells)}
     results = {"scale": scale.__dict__, "capacities": {t: s.capacities for t, s in states.items()},
                "offline_capacities": offline_capacities, "with_azure": not ns.no_azure,
-               "workloads": {t: [w.name for w in ws] for t, ws in loads.items()}, "cells": cells,
+               "workloads": {t: [w.name for w in ws] for t, ws in loads.items()},
+               "slos": {name: slo._asdict() for name, slo in slos.items()}, "cells": cells,
                "judgements": judgements, "host_drift": drift, "busy_at_start": busy, "profile": str(profile),
                "commands": commands, "wall_s": time.time() - started}
     (out_dir / "results.json").write_text(json.dumps(results, indent=2, default=str) + "\n", encoding="utf-8")

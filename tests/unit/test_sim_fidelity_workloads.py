@@ -1,6 +1,6 @@
 """What benchmarks/sim_fidelity.py sends and replays per topology: the E/P/D topology's images
-workload on both sides, the image tokens taken off the replayed prompts, topology selection and
-the warm-up's KV-pool cycling."""
+workload on both sides, the image tokens taken off the replayed prompts, the SLO per workload,
+topology selection and the warm-up's KV-pool cycling."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ import json
 import sys
 from dataclasses import replace
 from pathlib import Path
+
+from sim_profiles import profile_dict
 
 from epdserve.cli import build_parser
 from epdserve.sim.cli import build_workload
@@ -32,8 +34,8 @@ def test_each_topology_gets_its_workloads():
     assert names == {"colocated=2": ["random", "azure"], "prefill=1,decode=1": ["random", "azure"], EPD: ["images"]}
     assert [w.name for w in sim_fidelity.workloads(SCALE, "prefill=1,decode=1", False)] == ["random"]
     assert sim_fidelity.workloads(SCALE, EPD, True)[0].levels == SCALE.load_levels
-    assert sim_fidelity.warmup_workload(EPD).num_images == 1
-    assert sim_fidelity.warmup_workload("colocated=2").num_images == 0
+    assert sim_fidelity.warmup_workload(sim_fidelity.workloads(SCALE, EPD, True)).name == "images"
+    assert sim_fidelity.warmup_workload(sim_fidelity.workloads(SCALE, "colocated=2", True)).name == "random"
 
 
 def test_epd_serves_three_workers_with_the_vision_tower():
@@ -106,3 +108,17 @@ def test_pool_cycling_skips_roles_without_a_kv_pool(tmp_path: Path):
     assert sim_fidelity.pool_cycling_prompts(profile, "prefill=1,decode=1", scale) == max(-(-1000 // 16), -(-2000 // 22))
     # with 256 image tokens: prefill 32 blocks, decode 38
     assert sim_fidelity.pool_cycling_prompts(profile, EPD, scale, 256) == max(-(-1000 // 32), -(-2000 // 38))
+
+
+def test_slo_from_profile_counts_the_image_per_workload(tmp_path: Path):
+    # synthetic profile: step 10 ms + 1 ms a prompt token + 2 ms a decode sequence; a tile is
+    # 16 tokens, encoded in 2 + 50 ms
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps(profile_dict()))
+    scale = replace(SCALE, input_len=100, output_len=20)
+    random, images = (sim_fidelity.workloads(scale, t, False)[0] for t in ("colocated=2", EPD))
+    assert images.num_image_tokens(profile) == 16 and random.num_image_tokens(profile) == 0
+    assert sim_fidelity.slo_from_profile(profile, scale, random) == (4 * 110.0, 5 * 12.0)
+    assert sim_fidelity.slo_from_profile(profile, scale, images) == (round(4 * (10 + 116 + 52), -1), 5 * 12.0)
+    given = sim_fidelity.with_slo(images, profile, scale, 500.0, None)
+    assert given.slo == (500.0, 60.0) and given.levels == images.levels
