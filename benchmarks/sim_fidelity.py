@@ -155,8 +155,9 @@ QUICK = Scale(10, 4, 24, 64, 8, 0.25, (0.5, 1.0), (1.0,), 10, 0.05, True, False,
 # colocated role's cost. Runs 1-11 (docs/benchmarks.md) used a fixed 1000 / 80 ms
 # (--slo-ttft-ms 1000 --slo-tpot-ms 80), set for their AVX-512 host; on a slower host a decode
 # step of one sequence alone can take longer than 80 ms, and no rate would meet that SLO. One
-# SLO for text and image requests alike would not do either: one image's encode alone can take
-# about as long as a text prompt's prefill, and no rate would meet a text prompt's TTFT SLO.
+# SLO for text and image requests alike would not do either: one image's encode can take about
+# as long as the text prompt's prefill and its tokens double the prompt, so that a request with
+# an image, alone, can miss a text prompt's TTFT SLO.
 SLO_TTFT_PREFILLS = 4.0
 SLO_TPOT_STEPS = 5.0
 

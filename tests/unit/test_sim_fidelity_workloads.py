@@ -122,3 +122,21 @@ def test_slo_from_profile_counts_the_image_per_workload(tmp_path: Path):
     assert sim_fidelity.slo_from_profile(profile, scale, images) == (round(4 * (10 + 116 + 52), -1), 5 * 12.0)
     given = sim_fidelity.with_slo(images, profile, scale, 500.0, None)
     assert given.slo == (500.0, 60.0) and given.levels == images.levels
+
+
+def test_report_takes_every_topology_and_workload_alike():
+    real = [{m: 100.0 for m in sim_fidelity.METRICS}, {m: 110.0 for m in sim_fidelity.METRICS}]
+    cells = [{"topology": t, "workload": w, "load": 1.0, "rate": 0.5, "sim": sim_fidelity.summarize_cell(real, real),
+              "step_ratios": {}}
+             for t, w in (("colocated=2", "random"), ("prefill=1,decode=1", "random"), (EPD, "images"))]
+    results = {"host_drift": [None], "capacities": {c["topology"]: {c["workload"]: 0.5} for c in cells},
+               "workloads": {c["topology"]: [c["workload"]] for c in cells},
+               "slos": {"random": {"ttft_ms": 500.0, "tpot_ms": 60.0}, "images": {"ttft_ms": 900.0, "tpot_ms": 60.0}},
+               "busy_at_start": 0.0, "profile": "profile.json", "commands": []}
+    judgements = {"sim": sim_fidelity.judge(cells, "sim")}
+    report = sim_fidelity.build_report(cells, judgements, SCALE, results)
+    assert "| 1E1P1D images 1x |" in report and "| encode=1,prefill=1,decode=1 | images | 1x |" in report
+    assert "Images workload: the random workload's requests, each with 1 image of 256x256 pixels" in report
+    assert "(on co×2, 1P1D)" in report and "(on 1E1P1D)" in report
+    assert "SLO: random: TTFT ≤ 500 ms and TPOT ≤ 60 ms; images: TTFT ≤ 900 ms and TPOT ≤ 60 ms" in report
+    assert "15 of 15 cell-metrics" in report
