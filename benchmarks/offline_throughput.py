@@ -1,7 +1,7 @@
 """Offline throughput: epdserve's engine beside vLLM's offline engine, in one run.
 
     .venv/bin/python benchmarks/offline_throughput.py [--num-prompts 64] [--input-len 256]
-        [--output-len 128] [--dtype auto] [--skip-vllm] [--json out.json]
+        [--output-len 128] [--dtype auto] [--rounds 3] [--skip-vllm] [--json out.json]
 
 Workload (as `vllm bench throughput --dataset-name random`): N prompts of random token ids,
 fixed output length, EOS ignored, all cores, both engines in one dtype (``--dtype auto``: what
@@ -9,6 +9,12 @@ epdserve serves with here, bfloat16 where the CPU has a bf16 matmul path, else f
 reports the decode step time at batch 1 against the memory-bandwidth bound (weight bytes /
 measured copy bandwidth) and prefill tokens/s against the matmul bound in that dtype (2 *
 params FLOPs per token / measured GEMM rate).
+
+The two engines alternate in ``--rounds`` rounds (epdserve, vLLM, epdserve, vLLM, ...): on a
+shared host the speed of the same code moves by tens of percent within minutes, so one pair
+can land on a fast and a slow stretch. Each round's ratio is of its own pair; the summary is
+the median ratio and the rounds' spread. epdserve's engine is built once; each round sends
+prompts of its own seed, so no round finds another's prompts in the prefix cache.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import json
 import os
 import random
 import re
+import statistics
 import subprocess
 import sys
 import time
@@ -38,11 +45,16 @@ def random_prompts(vocab_size: int, num: int, length: int, seed: int) -> list[li
     return [[rng.randrange(1000, vocab_size - 1000) for _ in range(length)] for _ in range(num)]
 
 
-def run_epdserve(args: argparse.Namespace) -> dict:
+def build_engine(args: argparse.Namespace) -> LLMEngine:
     engine = LLMEngine(EngineArgs(dtype=args.dtype, max_num_batched_tokens=args.max_num_batched_tokens))
-    prompts = random_prompts(engine.loaded.spec.vocab_size, args.num_prompts, args.input_len, 0)
-    params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
     engine.generate(random_prompts(engine.loaded.spec.vocab_size, 2, 32, 1), SamplingParams(max_tokens=4))
+    return engine
+
+
+def run_epdserve(args: argparse.Namespace, engine: LLMEngine, seed: int) -> dict:
+    # Seeds from 100 up (the warm-up has 1, the roofline's prompts 1000 up).
+    prompts = random_prompts(engine.loaded.spec.vocab_size, args.num_prompts, args.input_len, 100 + seed)
+    params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
     start = time.perf_counter()
     results = engine.generate(prompts, params)
     elapsed = time.perf_counter() - start
@@ -53,7 +65,6 @@ def run_epdserve(args: argparse.Namespace) -> dict:
         "requests_per_s": len(prompts) / elapsed,
         "total_tokens_per_s": (num_in + num_out) / elapsed,
         "output_tokens_per_s": num_out / elapsed,
-        "engine": engine,
     }
 
 
@@ -108,12 +119,14 @@ def gemm_tflops(dtype: torch.dtype, m: int = 2048, k: int = 576, n: int = 1536) 
     return 2 * m * k * n * reps / (time.perf_counter() - t) / 1e12
 
 
-def roofline(engine: LLMEngine) -> dict:
+def roofline(engine: LLMEngine, seed: int) -> dict:
+    """Decode at batch 1 and one full prefill step, on prompts of the round's own seeds (none
+    found in the prefix cache), against the bandwidth and matmul bounds."""
     model = engine.loaded.model
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     num_params = sum(p.numel() for p in model.parameters())
     vocab = engine.loaded.spec.vocab_size
-    prompt = random_prompts(vocab, 1, 64, 2)[0]
+    prompt = random_prompts(vocab, 1, 64, 1000 + 2 * seed)[0]
     params = SamplingParams(max_tokens=65, temperature=0.0, ignore_eos=True)
     engine.add_request(prompt, params)
     step_times = []
@@ -126,7 +139,7 @@ def roofline(engine: LLMEngine) -> dict:
     bound_ms = weight_bytes / (bandwidth / 2 * 1e9) * 1e3  # weights are read once per step
 
     # One step of 8 prompts x 256 tokens (the benchmark's prompt shape, a full token budget).
-    prompts = random_prompts(vocab, 8, 256, 3)
+    prompts = random_prompts(vocab, 8, 256, 1001 + 2 * seed)
     for p in prompts:
         engine.add_request(p, SamplingParams(max_tokens=1))
     t = time.perf_counter()
@@ -146,6 +159,10 @@ def roofline(engine: LLMEngine) -> dict:
     }
 
 
+def spread(values: list[float]) -> str:
+    return f"{statistics.median(values):.2f} (rounds {', '.join(f'{v:.2f}' for v in values)})"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--num-prompts", type=int, default=64)
@@ -153,32 +170,44 @@ def main() -> int:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--dtype", default="auto", help="auto: epdserve's default on this machine")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating epdserve / vLLM pairs")
     parser.add_argument("--skip-vllm", action="store_true")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error("--rounds must be >= 1")
     args.dtype = resolve_dtype_name(args.dtype)
     print(f"dtype {args.dtype}")
     torch.set_num_threads(os.cpu_count() or 1)
 
-    ours = run_epdserve(args)
-    engine = ours.pop("engine")
-    print(f"epdserve: {ours['requests_per_s']:.2f} req/s, {ours['total_tokens_per_s']:.1f} total tok/s, "
-          f"{ours['output_tokens_per_s']:.1f} output tok/s ({ours['elapsed_s']:.1f} s)")
-    roof = roofline(engine)
-    print(f"decode step at batch 1: {roof['decode_step_ms_batch1']:.2f} ms; bandwidth bound "
-          f"{roof['decode_bound_ms']:.2f} ms ({roof['weight_bytes'] / 1e6:.0f} MB weights, "
-          f"{roof['copy_bandwidth_gbps']:.1f} GB/s copy)")
-    print(f"prefill: {roof['prefill_tokens_per_s']:.0f} tok/s; {args.dtype} matmul bound "
-          f"{roof['prefill_bound_tokens_per_s']:.0f} tok/s ({roof['gemm_tflops']:.2f} TFLOP/s)")
-    del engine
-    vllm = None if args.skip_vllm else run_vllm(args)
-    if vllm:
-        ratio = ours["total_tokens_per_s"] / vllm["total_tokens_per_s"]
-        print(f"vLLM:     {vllm['requests_per_s']:.2f} req/s, {vllm['total_tokens_per_s']:.1f} total tok/s, "
-              f"{vllm['output_tokens_per_s']:.1f} output tok/s")
-        print(f"epdserve / vLLM total tokens/s: {ratio:.2f}x")
+    engine = build_engine(args)
+    rounds = []
+    for k in range(args.rounds):
+        ours = run_epdserve(args, engine, k)
+        print(f"round {k + 1} epdserve: {ours['requests_per_s']:.2f} req/s, {ours['total_tokens_per_s']:.1f} total "
+              f"tok/s, {ours['output_tokens_per_s']:.1f} output tok/s ({ours['elapsed_s']:.1f} s)")
+        roof = roofline(engine, k)
+        print(f"round {k + 1} decode step at batch 1: {roof['decode_step_ms_batch1']:.2f} ms; bandwidth bound "
+              f"{roof['decode_bound_ms']:.2f} ms ({roof['weight_bytes'] / 1e6:.0f} MB weights, "
+              f"{roof['copy_bandwidth_gbps']:.1f} GB/s copy)")
+        print(f"round {k + 1} prefill: {roof['prefill_tokens_per_s']:.0f} tok/s; {args.dtype} matmul bound "
+              f"{roof['prefill_bound_tokens_per_s']:.0f} tok/s ({roof['gemm_tflops']:.2f} TFLOP/s)")
+        vllm = None if args.skip_vllm else run_vllm(args)
+        ratio = ours["total_tokens_per_s"] / vllm["total_tokens_per_s"] if vllm else None
+        if vllm:
+            print(f"round {k + 1} vLLM:     {vllm['requests_per_s']:.2f} req/s, {vllm['total_tokens_per_s']:.1f} "
+                  f"total tok/s, {vllm['output_tokens_per_s']:.1f} output tok/s; epdserve / vLLM {ratio:.2f}x")
+        rounds.append({"epdserve": ours, "vllm": vllm, "roofline": roof, "ratio": ratio})
+    print(f"epdserve total tok/s: {spread([r['epdserve']['total_tokens_per_s'] for r in rounds])}")
+    print(f"decode at batch 1 / bandwidth bound: "
+          f"{spread([r['roofline']['decode_step_ms_batch1'] / r['roofline']['decode_bound_ms'] for r in rounds])}")
+    ratios = [r["ratio"] for r in rounds if r["ratio"] is not None]
+    if ratios:
+        print(f"vLLM total tok/s: {spread([r['vllm']['total_tokens_per_s'] for r in rounds if r['vllm']])}")
+        print(f"epdserve / vLLM total tokens/s: {spread(ratios)}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"epdserve": ours, "vllm": vllm, "roofline": roof}, indent=2))
+        Path(args.json).write_text(json.dumps({"rounds": rounds, "median_ratio": statistics.median(ratios) if ratios else None},
+                                              indent=2))
     return 0
 
 
