@@ -33,14 +33,24 @@ PRIOR_PREFILL_S_PER_TOKEN = 5e-4
 
 
 class PrefillRate:
-    """Prefill compute per prompt token on this worker, measured: the median of the last
-    ``window`` steps that ran only prompt tokens (at least ``min_tokens`` of them), the first
-    such step left out (it pays the process's warm-up). The engine's reload rule and the
-    router's ``prefix-aware`` policy read it when no profile gives the cost."""
+    """Prefill compute per prompt token on this worker, measured over the last ``window`` steps
+    that ran only prompt tokens (at least ``min_tokens`` of them), the first such step left out
+    (it pays the process's warm-up). The engine's reload rule and the router's ``prefix-aware``
+    policy read it when no profile gives the cost.
+
+    A step costs a part that does not depend on its tokens (reading the weights once, each
+    layer's fixed overhead) plus a part per token. The rule weighs the tokens a load would spare
+    the step, so the rate is the per-token part: the least-squares slope of seconds over tokens
+    when the window's steps differ enough in size (the largest at least ``SPREAD`` times the
+    smallest). Otherwise (steps all about one size, or a slope the noise made non-positive) it is
+    the median seconds per token, which counts the fixed part too: high for small steps, so it
+    errs toward loading. Never above that median (a negative intercept is noise)."""
+
+    SPREAD = 2.0
 
     def __init__(self, window: int = 16, min_tokens: int = 16) -> None:
         self.min_tokens = min_tokens
-        self._samples: deque[float] = deque(maxlen=window)
+        self._samples: deque[tuple[int, float]] = deque(maxlen=window)
         self._is_warm = False
         self.per_token_s = 0.0  # 0.0 until a step was measured
 
@@ -50,8 +60,20 @@ class PrefillRate:
         if not self._is_warm:
             self._is_warm = True
             return
-        self._samples.append(seconds / num_prompt_tokens)
-        self.per_token_s = statistics.median(self._samples)
+        self._samples.append((num_prompt_tokens, seconds))
+        self.per_token_s = self._rate()
+
+    def _rate(self) -> float:
+        samples = self._samples
+        median = statistics.median(s / n for n, s in samples)
+        sizes = [n for n, _ in samples]
+        if max(sizes) < self.SPREAD * min(sizes):
+            return median
+        mean_n = statistics.fmean(sizes)
+        mean_s = statistics.fmean(s for _, s in samples)
+        slope = (sum((n - mean_n) * (s - mean_s) for n, s in samples)
+                 / sum((n - mean_n) ** 2 for n in sizes))
+        return min(slope, median) if slope > 0 else median
 
 
 # Bytes per second of a copy between two workers' pages in one node's shared memory, assumed
