@@ -54,6 +54,11 @@ def schedule_key(service_class: str, priority: int = 0) -> int:
     return (SERVICE_CLASSES.index(service_class) - _DEFAULT_RANK) * _RANK_SPAN + priority
 
 
+# The range of scheduling keys: the first class at the lowest priority to the last at the highest.
+MIN_SCHEDULE_KEY = schedule_key(SERVICE_CLASSES[0], -MAX_PRIORITY)
+MAX_SCHEDULE_KEY = schedule_key(SERVICE_CLASSES[-1], MAX_PRIORITY)
+
+
 def class_of_key(key: int) -> str:
     """The class a scheduling key belongs to (the inverse of ``schedule_key``'s rank)."""
     rank = min(max((key + MAX_PRIORITY) // _RANK_SPAN + _DEFAULT_RANK, 0), len(SERVICE_CLASSES) - 1)

@@ -17,6 +17,7 @@ from epdserve.engine.block_pool import HASH_BYTES
 from epdserve.request import EventType
 from epdserve.roles import Role
 from epdserve.sampling import SamplingParams
+from epdserve.service import MAX_SCHEDULE_KEY, MIN_SCHEDULE_KEY
 from epdserve.transfer.descriptors import KVEndpoint, SlabEndpoint
 
 
@@ -346,9 +347,11 @@ class Reserve(Msg):
     # the leading blocks it has cached.
     block_hashes: list[bytes] = []
     has_images: bool = False  # the decode worker cannot name blocks past ``block_hashes`` itself
-    # Seconds the reservation may wait, first come first served, for blocks or a sequence seat
-    # the decode worker has not free now; then it is refused. 0: refuse at once when full.
+    # Seconds the reservation may wait for blocks or a sequence seat the decode worker has not
+    # free now (in order of ``priority``, then arrival); then it is refused. 0: refuse at once.
     max_wait_s: Annotated[float, msgspec.Meta(ge=0, le=MAX_RESERVE_WAIT_S)] = 0.0
+    # The request's scheduling key (``SamplingParams.priority``, service.py: lower first).
+    priority: Annotated[int, msgspec.Meta(ge=MIN_SCHEDULE_KEY, le=MAX_SCHEDULE_KEY)] = 0
 
 
 class StartDecode(Msg):

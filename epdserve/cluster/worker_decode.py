@@ -196,7 +196,8 @@ class DecodeWorker(LLMWorker):
         except InvalidRequestError as e:
             self._send(m.Reserved(msg.request_id, False, reason=str(e)))
             return
-        if not self._waiting.offer(msg.request_id, msg, msg.max_wait_s, time.monotonic(), self._try_reserve):
+        if not self._waiting.offer(msg.request_id, msg, msg.max_wait_s, time.monotonic(), self._try_reserve,
+                                   msg.priority):
             self._send(m.Reserved(msg.request_id, False, reason=self._full_reason()))
 
     def _full_reason(self) -> str:

@@ -149,7 +149,7 @@ class RequestFlow:
         hashes = prompt_blocks.hashes(block_size)
         max_wait_s = self.config.decode_queue_timeout_s
         self.channel.submit(decode.worker_id, m.Reserve(path.path_id, len(path.prompt_token_ids), hashes,
-                                                        has_images, max_wait_s))
+                                                        has_images, max_wait_s, path.params.priority))
         try:
             await asyncio.wait_for(asyncio.shield(path.reserved), max_wait_s + self.config.reserve_timeout_s)
         except asyncio.TimeoutError:

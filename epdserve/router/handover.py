@@ -101,7 +101,7 @@ class DecodeHandover:
         target.take(path.path_id)
         hashes = path.prompt_blocks.hashes(target.registration.block_size) if path.prompt_blocks else []
         self.channel.post(target.worker_id, m.Reserve(path.path_id, len(path.prompt_token_ids), hashes,
-                                                      path.mm is not None))
+                                                      path.mm is not None, priority=path.params.priority))
 
     def on_retarget_reserved(self, path: Path, msg: m.Reserved) -> None:
         log.info("%s: %s reserved for it: %s", path.path_id, path.retarget_to, msg.ok or msg.reason)

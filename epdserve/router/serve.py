@@ -69,7 +69,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     d.add_argument("--step-timeout", type=float, default=60.0,
                    help="seconds one worker step may run before the worker is treated like a dead one")
     d.add_argument("--decode-queue-timeout", type=float, default=60.0, metavar="SECONDS",
-                   help="P/D: seconds a request may wait, first come first served, for KV blocks or a sequence "
+                   help="P/D: seconds a request may wait (by service class and priority, then arrival) for KV blocks or a sequence "
                         "seat on a full decode worker; then 503 no_kv_blocks (0: 503 at once)")
     d.add_argument("--reservation-lease", type=float, default=120.0,
                    help="decode workers: seconds a KV reservation waits for its KV before it expires")

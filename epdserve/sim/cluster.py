@@ -5,7 +5,7 @@ what happens to a request. Sampled tokens are a dummy id and requests stop at ``
 
 The router is the real one's rules: ``WorkerRegistry.pick`` on heartbeat-reported load,
 ``max_pending`` and per-worker queue limits (429), decode reservation refusal (503); a full
-decode instance queues reservations first come first served for up to
+decode instance queues reservations (by service class and priority, then arrival) for up to
 ``decode_queue_timeout_s``, granted at its step ends as the decode worker does.
 P/D: reserve on decode, prefill with ``hold_kv_for_transfer``; the first token leaves at
 prefill end; KV goes layer by layer over the prefill instance's link; decode starts
@@ -104,7 +104,8 @@ class ClusterSim(SimLoop):
                 blocks, answer_at = self._reserve(first, rid, num_prompt)
                 return blocks is not None
 
-            if not first.reserve_queue.offer(rid, flight, config.decode_queue_timeout_s, now, try_reserve):
+            if not first.reserve_queue.offer(rid, flight, config.decode_queue_timeout_s, now, try_reserve,
+                                            flight.key):
                 return self._reject(index, num_prompt, reservation_refused(f"no room for {num_prompt + 1} tokens"))
             if blocks is None:
                 self._sync(first)  # waiting: the queue is served at its step ends

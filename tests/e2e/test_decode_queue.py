@@ -1,8 +1,9 @@
-"""P/D on a full decode worker: reservations wait, first come first served, for a bounded time.
+"""P/D on a full decode worker: reservations wait, by service class then arrival, for a bounded time.
 
 Real router and worker processes. The decode worker has two sequence seats (--max-num-seqs 2):
 requests beyond them wait in its reservation queue instead of being refused, a wait that runs
-out is a 503 naming the limit, and a client that leaves while waiting takes its place with it.
+out is a 503 naming the limit, a client that leaves while waiting takes its place with it, and
+a realtime request that arrives later takes the first free seat before an interactive one.
 """
 
 from __future__ import annotations
@@ -94,6 +95,50 @@ def test_full_decode_worker_queues_then_times_out_and_forgets_leavers(tmp_path):
         waiter.join(60)
         assert waiting and waiting[0].status_code == 200, waiting and waiting[0].text
         assert waiting[0].json()["choices"][0]["text"] == alone["Fact number 0 about the sea:"]
+        server.wait_all_blocks_free()
+
+        # 4. Both seats held again; an interactive request waits, then a realtime one arrives.
+        # One seat frees: the realtime request takes it while the interactive one still waits.
+        leave = [threading.Event(), threading.Event()]
+        started = [threading.Event(), threading.Event()]
+
+        def hold_until(i: int) -> None:
+            long = body(f"Poem {i}:", max_tokens=900, ignore_eos=True, stream=True)
+            with httpx.stream("POST", f"{server.url}/v1/completions", json=long, timeout=120) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        started[i].set()
+                    if leave[i].is_set():
+                        return
+
+        holders = [threading.Thread(target=hold_until, args=(i,)) for i in range(2)]
+        for t in holders:
+            t.start()
+        for event in started:
+            assert event.wait(60), "a long stream did not start"
+        answers: dict[str, httpx.Response] = {}
+
+        def ask(name: str, prompt: str, **kw) -> None:
+            answers[name] = httpx.post(f"{server.url}/v1/completions", json=body(prompt, **kw), timeout=60)
+
+        first = threading.Thread(target=ask, args=("interactive", "Fact number 1 about the sea:"))
+        first.start()
+        server.wait_until(lambda: _decode(server)["load"]["num_waiting"] == 1, 10, "the interactive one to wait")
+        second = threading.Thread(target=ask, args=("realtime", "Fact number 2 about the sea:"),
+                                  kwargs={"service_tier": "priority"})
+        second.start()
+        server.wait_until(lambda: _decode(server)["load"]["num_waiting"] == 2, 10, "the realtime one to wait")
+        leave[0].set()
+        second.join(60)
+        assert answers["realtime"].status_code == 200, answers["realtime"].text
+        assert answers["realtime"].json()["choices"][0]["text"] == alone["Fact number 2 about the sea:"]
+        assert "interactive" not in answers and _decode(server)["load"]["num_waiting"] == 1
+        leave[1].set()
+        first.join(60)
+        assert answers["interactive"].status_code == 200, answers["interactive"].text
+        assert answers["interactive"].json()["choices"][0]["text"] == alone["Fact number 1 about the sea:"]
+        for t in holders:
+            t.join(60)
         server.wait_all_blocks_free()
     finally:
         stop_server(server)

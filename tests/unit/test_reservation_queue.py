@@ -1,9 +1,14 @@
-"""The decode worker's reservation queue (engine/reservation_queue.py): first come, first served,
+"""The decode worker's reservation queue (engine/reservation_queue.py): by scheduling key, then arrival,
 each wait bounded; the decode worker and the simulator both use it."""
 
 from __future__ import annotations
 
+import msgspec
+import pytest
+
+from epdserve.cluster import messages as m
 from epdserve.engine.reservation_queue import ReservationQueue
+from epdserve.service import MAX_SCHEDULE_KEY, MIN_SCHEDULE_KEY, schedule_key
 
 
 class Room:
@@ -49,3 +54,33 @@ def test_a_head_whose_wait_ran_out_lets_the_next_try():
     room.free = 1
     assert queue.serve(0.9, room.take) == [] and len(queue) == 2
     assert queue.serve(1.0, room.take) == [("big", 4)] and room.taken == ["small"] and len(queue) == 0
+
+
+def test_lower_keys_are_served_first_then_arrival():
+    """A realtime reservation (lower scheduling key) is offered the room before the interactive
+    ones that came earlier; one of equal key waits its turn."""
+    realtime, interactive, batch = (schedule_key(c) for c in ("realtime", "interactive", "batch"))
+    room, queue = Room(0), ReservationQueue[int]()
+    queue.offer("i1", 1, 10.0, 0.0, room.take, interactive)
+    queue.offer("b1", 1, 10.0, 0.0, room.take, batch)
+    queue.offer("i2", 1, 10.0, 0.0, room.take, interactive)
+    room.free = 1
+    # room for one: a realtime arrival is ahead of everyone waiting, so it is tried at once
+    assert queue.offer("r1", 1, 10.0, 0.0, room.take, realtime) and room.taken == ["r1"] and "r1" not in queue
+    room.free = 1
+    # an interactive arrival with room free still queues behind the interactive ones waiting
+    assert queue.offer("i3", 1, 10.0, 0.0, room.take, interactive) and "i3" in queue and room.free == 1
+    queue.offer("r2", 5, 10.0, 0.0, room.take, realtime)  # too big for now: queued at the front
+    room.free = 4
+    assert queue.serve(1.0, room.take) == [] and room.taken == ["r1"]  # r2 holds back the rest
+    room.free = 9
+    queue.serve(1.0, room.take)
+    assert room.taken == ["r1", "r2", "i1", "i2", "i3", "b1"] and len(queue) == 0
+
+
+def test_a_reserve_frame_carries_a_checked_scheduling_key():
+    frame = m.encode(m.Reserve("r", 10, [], False, 5.0, schedule_key("realtime", -7)))
+    assert m.decode(frame).priority == schedule_key("realtime", -7)
+    for bad in (MAX_SCHEDULE_KEY + 1, MIN_SCHEDULE_KEY - 1):
+        with pytest.raises(msgspec.ValidationError):
+            m.decode(m.encode(m.Reserve("r", 10, priority=bad)))
