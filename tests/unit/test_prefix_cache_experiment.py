@@ -18,10 +18,11 @@ from epdserve.bench.experiments.prefix_cache import (
     Scale,
     conversation_subset,
     conversations,
+    merge_rounds,
     subset_stats,
     summarize_level,
 )
-from epdserve.bench.experiments.prefix_cache_report import crossover_table, describe_machines, goals
+from epdserve.bench.experiments.prefix_cache_report import crossover_table, describe_machines, goals, round_lines
 from epdserve.bench.traces import TraceRecord
 
 
@@ -115,3 +116,21 @@ def test_report_names_each_roles_machine():
     assert "each decode worker held to 1 of a core on core 1" in text
     assert describe_machines({"cpu_share": 2 / 3}).startswith("each worker held to 0.67")
     assert describe_machines({"quota_wanted": False}) == "one core per worker"
+
+
+def test_rounds_are_merged_by_mean_and_each_rounds_goals_are_reported():
+    def level(goodput: float, p99: float, host: float) -> dict:
+        return {"request_rate": 3.0, "request_goodput": goodput, "ttft_p99_ms": p99, "failed": 1,
+                "hit_share": {"pool": 0.5, "host": host, "disk": 0.0}}
+
+    rounds = [{"least-prefill": [level(1.0, 2000.0, 0.0)], "prefix-aware+tiers": [level(2.0, 1000.0, 0.2)]},
+              {"least-prefill": [level(2.0, 3000.0, 0.0)], "prefix-aware+tiers": [level(2.0, 1500.0, 0.1)]}]
+    merged = merge_rounds(rounds)
+    tiers = merged["prefix-aware+tiers"][0]
+    assert tiers["request_goodput"] == 2.0 and tiers["ttft_p99_ms"] == 1250.0 and tiers["failed"] == 2
+    assert tiers["hit_share"] == {"pool": 0.5, "host": pytest.approx(0.15), "disk": 0.0}
+    g = goals(merged)[0]
+    assert g["goodput_ratio"] == pytest.approx(2.0 / 1.5) and g["ttft_p99_cut"] == pytest.approx(0.5)
+    text = "\n".join(round_lines({"goals": goals(merged), "goals_by_round": [goals(r) for r in rounds]}))
+    assert "2.00 / 50 %" in text and "1.00 / 50 %" in text
+    assert round_lines({"goals": goals(merged), "goals_by_round": [goals(rounds[0])]}) == []

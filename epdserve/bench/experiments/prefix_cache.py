@@ -21,7 +21,10 @@ SLO whatever the routing (TPOT P50 105-174 ms at 1.62-3.24 req/s against the 100
 decode alone on one core and the prefill workers held to half of the other each, it was
 prefill-bound (TTFT P50 3.0-9.2 s at 3.24-5.93 req/s, 3-19 % within the SLO in every arm), so the
 cache could not show in either.
-Reported per arm and rate:
+Every arm at every rate runs ``rounds`` times (two at full scale; this host's speed moves
+within minutes, and one run near the knee can differ from the next by a third), the arms'
+order rotated each round; the tables hold the rounds' means and the goals each round's own
+ratio. Reported per arm and rate:
 goodput at the SLO, TTFT P50/P99, prompt tokens served from each tier (the server's
 per-request ``timing``), KV bytes P -> D and the bytes not sent (decode held them).
 
@@ -108,6 +111,7 @@ class Scale:
     max_model_len: int
     crossover_lengths: tuple[int, ...]  # prefix tokens
     crossover_reps: int
+    rounds: int = 1  # every arm at every rate this many times, on fresh servers, arms rotated per round
 
 
 # Replay durations: 3.24, 4.45 and 5.93 requests/s on 1P1D (least-prefill kept 99 % and 95 % of
@@ -116,7 +120,7 @@ class Scale:
 # The decode worker's pool holds the running sequences' contexts at the highest rate (a pool of
 # 128 blocks, about five prompts, turned 29-50 % of the requests away in an earlier run).
 FULL = Scale(32, 4, 9600, 0.1, (55.0, 40.0, 30.0), 1000.0, 100.0, 128, 512, 0.25, 1.0, 2048,
-             (32, 64, 128, 256, 512, 1024, 1536), 3)
+             (32, 64, 128, 256, 512, 1024, 1536), 3, rounds=2)
 QUICK = Scale(3, 4, 9600, 0.05, (20.0,), 20000.0, 2000.0, 64, 128, 0.1, 0.2, 1024, (32, 128), 1)
 
 
@@ -236,12 +240,12 @@ def summarize_level(result: dict, duration_s: float) -> dict:
 
 
 def run_trace_arm(topology: str, arm: str, durations: tuple[float, ...], subset: Path, span_s: float,
-                  scale: Scale, out_dir: Path, commands: list[str], use_quota: bool) -> list[dict]:
+                  scale: Scale, out_dir: Path, commands: list[str], use_quota: bool, round_index: int = 0) -> list[dict]:
     """A fresh server per rate (a rate's cache must not warm the next), the trace replayed once;
     with ``use_quota`` each worker held to the topology's share of a core."""
     levels = []
     for duration in durations:
-        tag = f"{topology}_{arm}_{duration:g}s".replace("=", "").replace(",", "_").replace("+", "_")
+        tag = f"{topology}_{arm}_{duration:g}s_r{round_index + 1}".replace("=", "").replace(",", "_").replace("+", "_")
         disk_dir = Path(tempfile.mkdtemp(prefix="kv-disk-", dir=out_dir))
         server = start_server(serve_flags(topology, arm, scale, disk_dir), out_dir / "logs" / tag)
         commands.append(server.command)
@@ -262,11 +266,33 @@ def run_trace_arm(topology: str, arm: str, durations: tuple[float, ...], subset:
                 quotas.close()
             shutil.rmtree(disk_dir, ignore_errors=True)
         level = summarize_level(json.loads(result_path.read_text(encoding="utf-8")), duration)
-        print(f"{topology} {arm} {level['request_rate']:.2f} req/s: goodput {level['request_goodput']:.2f}, "
+        print(f"round {round_index + 1} {topology} {arm} {level['request_rate']:.2f} req/s: goodput {level['request_goodput']:.2f}, "
               f"TTFT p50 {level['ttft_p50_ms']:.0f} p99 {level['ttft_p99_ms']:.0f} ms, hits "
               + ", ".join(f"{k} {100 * v:.0f} %" for k, v in level["hit_share"].items()), flush=True)
         levels.append(level)
     return levels
+
+
+def merge_rounds(rounds: list[dict[str, list[dict]]]) -> dict[str, list[dict]]:
+    """Per arm and rate, the rounds' mean of every number (hit shares per tier too); failures
+    summed. One round: that round."""
+    merged: dict[str, list[dict]] = {}
+    for arm in rounds[0]:
+        merged[arm] = []
+        for at_rate in zip(*(r[arm] for r in rounds)):
+            level: dict = {}
+            for key, value in at_rate[0].items():
+                values = [lv[key] for lv in at_rate]
+                if key == "hit_share":
+                    level[key] = {t: float(np.mean([v[t] for v in values])) for t in value}
+                elif key in ("failed", "completed"):
+                    level[key] = sum(values)
+                elif all(isinstance(v, (int, float)) for v in values):
+                    level[key] = float(np.mean(values))
+                else:
+                    level[key] = value
+            merged[arm].append(level)
+    return merged
 
 
 # ---------------------------------------------------------------- part 2: the crossover
@@ -358,14 +384,22 @@ def run(out_dir: Path, quick: bool) -> str:
     use_quota = wants_quota and why is None
     commands: list[str] = []
     durations = scale.durations_s if not quick else scale.durations_s[:1]
-    trace_results = {MAIN_TOPOLOGY: {arm: run_trace_arm(MAIN_TOPOLOGY, arm, durations, subset, stats["span_s"], scale,
-                                                        out_dir, commands, use_quota) for arm in ARMS}}
+    arms = list(ARMS)
+    rounds = []
+    for k in range(scale.rounds):  # the arms rotate, so no arm always runs first or last in a round
+        order = arms[k % len(arms):] + arms[:k % len(arms)]
+        ran = {arm: run_trace_arm(MAIN_TOPOLOGY, arm, durations, subset, stats["span_s"], scale, out_dir, commands,
+                                  use_quota, k) for arm in order}
+        rounds.append({arm: ran[arm] for arm in arms})
+    trace_results = {MAIN_TOPOLOGY: merge_rounds(rounds)}
     crossover = {name: crossover_arm(name, scale, out_dir, commands) for name in CROSSOVER_ARMS}
     results = {"scale": asdict(scale), "workload": stats, "topology": MAIN_TOPOLOGY,
                "machines": ({role: asdict(m) for role, m in MACHINES[MAIN_TOPOLOGY].items()} if use_quota else None),
                "quota_wanted": wants_quota,
                "trace": trace_results,
-               "goals": goals(trace_results[MAIN_TOPOLOGY]), "crossover": crossover, "commands": commands}
+               "goals": goals(trace_results[MAIN_TOPOLOGY]),
+               "goals_by_round": [goals(levels) for levels in rounds], "rounds": rounds,
+               "crossover": crossover, "commands": commands}
     plots = write_plots(results, out_dir)
     report = build_report(results, experiment, [p.name for p in plots])
     write_outputs(out_dir, results, report)

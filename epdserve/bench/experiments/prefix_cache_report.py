@@ -72,6 +72,26 @@ def crossover_table(crossover: dict[str, list[dict]]) -> tuple[list[str], list[l
     return headers, rows
 
 
+def round_lines(results: dict) -> list[str]:
+    """With several rounds: the tables above are the rounds' means; each round's own goodput
+    ratio and TTFT P99 cut per rate, so a reader sees the spread."""
+    by_round = results.get("goals_by_round") or []
+    if len(by_round) < 2:
+        return []
+    headers = ["rate (req/s)", *[f"round {k + 1}: goodput ratio / TTFT P99 cut" for k in range(len(by_round))]]
+    rows = []
+    for i, g in enumerate(results["goals"]):
+        cells = []
+        for goals_of_round in by_round:
+            r = goals_of_round[i]
+            ratio = "-" if r["goodput_ratio"] is None else f"{r['goodput_ratio']:.2f}"
+            cut = "-" if r["ttft_p99_cut"] is None else pct(r["ttft_p99_cut"])
+            cells.append(f"{ratio} / {cut}")
+        rows.append([g["request_rate"], *cells])
+    return [f"Every number above is the mean of {len(by_round)} rounds (each arm and rate on a fresh server "
+            "per round, the arms' order rotated); per round:", "", markdown_table(headers, rows), ""]
+
+
 def describe_machines(results: dict) -> str:
     """What each worker ran on: per role a share of a core on given cores, one share for all
     (earlier results), or serve's own pinning."""
@@ -125,6 +145,7 @@ def build_report(results: dict, run: ExperimentRun, plot_names: list[str]) -> st
                          None if g["ttft_p99_cut"] is None else pct(g["ttft_p99_cut"]),
                          verdict(g["is_goodput_met"]), verdict(g["is_ttft_met"])] for g in goal_rows]),
         "",
+        *round_lines(results),
         "Prefill → decode (every arm and rate):",
         "",
         markdown_table(["arm", "rate (req/s)", "goodput (req/s)", "TTFT P50 (ms)", "TTFT P99 (ms)",
