@@ -27,6 +27,18 @@ def _decode(server) -> dict:
     return next(w for w in server.workers() if w["role"] == "decode")
 
 
+def _hold(server, prompt: str, started: threading.Event, leave: threading.Event) -> None:
+    """A long stream that holds a decode seat: ``started`` set at its first token; it leaves
+    (aborting the request, freeing the seat) once ``leave`` is set."""
+    long = {"model": MODEL, "prompt": prompt, "max_tokens": 900, "temperature": 0, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=long, timeout=120) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                started.set()
+            if leave.is_set():
+                return
+
+
 def test_full_decode_worker_queues_then_times_out_and_forgets_leavers(tmp_path):
     server = start_server(SMALL + ["--max-num-seqs", "2", "--decode-queue-timeout", str(QUEUE_TIMEOUT_S),
                                    "--decode-num-kv-blocks", str(DECODE_BLOCKS)], str(tmp_path))
@@ -60,17 +72,7 @@ def test_full_decode_worker_queues_then_times_out_and_forgets_leavers(tmp_path):
         # 2. Both seats held by long streams: a third request waits, then is refused at the timeout.
         stop = threading.Event()
         started = [threading.Event(), threading.Event()]
-
-        def hold(i: int) -> None:
-            long = body(f"Story {i}:", max_tokens=900, ignore_eos=True, stream=True)
-            with httpx.stream("POST", f"{server.url}/v1/completions", json=long, timeout=120) as r:
-                for line in r.iter_lines():
-                    if line.startswith("data: "):
-                        started[i].set()
-                    if stop.is_set():
-                        return  # leaving aborts the request and frees its seat
-
-        holders = [threading.Thread(target=hold, args=(i,)) for i in range(2)]
+        holders = [threading.Thread(target=_hold, args=(server, f"Story {i}:", started[i], stop)) for i in range(2)]
         for t in holders:
             t.start()
         for event in started:
@@ -103,17 +105,7 @@ def test_full_decode_worker_queues_then_times_out_and_forgets_leavers(tmp_path):
         # interactive one first).
         leave = [threading.Event(), threading.Event()]
         started = [threading.Event(), threading.Event()]
-
-        def hold_until(i: int) -> None:
-            long = body(f"Poem {i}:", max_tokens=900, ignore_eos=True, stream=True)
-            with httpx.stream("POST", f"{server.url}/v1/completions", json=long, timeout=120) as r:
-                for line in r.iter_lines():
-                    if line.startswith("data: "):
-                        started[i].set()
-                    if leave[i].is_set():
-                        return
-
-        holders = [threading.Thread(target=hold_until, args=(i,)) for i in range(2)]
+        holders = [threading.Thread(target=_hold, args=(server, f"Poem {i}:", started[i], leave[i])) for i in range(2)]
         for t in holders:
             t.start()
         for event in started:
