@@ -91,6 +91,7 @@ from epdserve.engine.step_shape import StepShape
 from epdserve.envs import get_traces_dir
 from epdserve.planner.calibrate import busy_overlap, read_step_trace, step_parts
 from epdserve.sim.cost_model import CostModel
+from epdserve.sim.topology import parse_topology
 
 EPD = "encode=1,prefill=1,decode=1"
 TOPOLOGIES = {  # simulator topology -> serve flags (every worker on one core, all on this machine)
@@ -232,13 +233,8 @@ def trace_head(path: str, num: int) -> tuple[int, float]:
     return len(records), records[-1].arrival_s - records[0].arrival_s
 
 
-def role_counts(topology: str) -> dict[str, int]:
-    """``"encode=1,prefill=1,decode=1"`` -> ``{"encode": 1, "prefill": 1, "decode": 1}``."""
-    return {role: int(count) for role, _, count in (part.partition("=") for part in topology.split(","))}
-
-
 def has_encode(topology: str) -> bool:
-    return role_counts(topology).get("encode", 0) > 0
+    return parse_topology(topology).num_encode > 0
 
 
 def workloads(scale: Scale, topology: str, with_azure: bool) -> list[Workload]:
@@ -373,7 +369,7 @@ def write_trace(result: dict, path: Path, num_image_tokens: int = 0) -> None:
 def simulate(profile: Path, topology: str, workload: list[str], slo: Slo, out: Path, log: list[str]) -> dict:
     """``workload``: the simulate flags of the requests; every worker of ``topology`` shares
     this one host."""
-    num_workers = sum(role_counts(topology).values())
+    num_workers = parse_topology(topology).num_instances
     run_logged(epdserve("simulate", "--profile", str(profile), "--topology", topology, *workload,
                         *slo.goodput_args(), "--max-model-len", str(MAX_MODEL_LEN),
                         "--instances-per-host", str(num_workers),
@@ -428,7 +424,9 @@ def pool_cycling_prompts(profile: Path, topology: str, scale: Scale, num_image_t
     blocks_per_request = -(-(num_prompt + scale.output_len) // block_size)
     prefill_blocks = -(-num_prompt // block_size)
     need = 0
-    for role, count in role_counts(topology).items():
+    layout = parse_topology(topology)
+    for role in layout.roles:
+        count = layout.count(role)
         num_kv_blocks = data["roles"][role].get("num_kv_blocks")
         if num_kv_blocks is None:
             continue

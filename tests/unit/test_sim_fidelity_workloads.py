@@ -95,7 +95,7 @@ def test_topology_selection_and_profile_roles():
     assert sim_fidelity.selected_topologies([EPD, "colocated=2", EPD]) == ["colocated=2", EPD]
     assert sim_fidelity.profile_roles(["colocated=2", "prefill=1,decode=1"]) == "colocated,prefill,decode"
     assert sim_fidelity.profile_roles([EPD]) == "colocated,prefill,decode,encode"
-    assert sim_fidelity.role_counts(EPD) == {"encode": 1, "prefill": 1, "decode": 1}
+    assert sim_fidelity.has_encode(EPD) and not sim_fidelity.has_encode("prefill=1,decode=1")
 
 
 def test_pool_cycling_skips_roles_without_a_kv_pool(tmp_path: Path):
