@@ -74,10 +74,12 @@ def pin(pid: int, cores: tuple[int, ...]) -> None:
 
 
 class CpuQuotas:
-    """One cgroup per process, each limited to ``share`` of a core; ``close`` removes them."""
+    """One cgroup per process, each limited to a share of a core (one for all given here, or one
+    per process to ``limit``); ``close`` removes them."""
 
-    def __init__(self, share: float) -> None:
-        _check_share(share)
+    def __init__(self, share: float | None = None) -> None:
+        if share is not None:
+            _check_share(share)
         why = available()
         if why is not None:
             raise BenchError(f"cannot give workers CPU quotas: {why}")
@@ -91,6 +93,8 @@ class CpuQuotas:
         """Move process ``pid`` (all its threads) into a new cgroup limited to ``share`` of a
         core (default: the share given at construction)."""
         share = self.share if share is None else _check_share(share)
+        if share is None:
+            raise BenchError("a CPU quota needs a share: none given here or at construction")
         group = self.root / f"{self.prefix}-{name}"
         group.mkdir()
         self.groups.append(group)

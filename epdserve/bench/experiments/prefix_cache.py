@@ -252,7 +252,7 @@ def run_trace_arm(topology: str, arm: str, durations: tuple[float, ...], subset:
         result_path = out_dir / "runs" / f"{tag}.json"
         result_path.parent.mkdir(parents=True, exist_ok=True)
         machines = MACHINES.get(topology) if use_quota else None
-        quotas = cpu_quota.CpuQuotas(1.0) if machines else None
+        quotas = cpu_quota.CpuQuotas() if machines else None
         try:
             if quotas is not None:
                 for worker in list_workers(server):
