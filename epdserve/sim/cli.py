@@ -37,6 +37,9 @@ def add_workload_args(p: argparse.ArgumentParser, is_required: bool = True) -> N
     w.add_argument("--loop-trace", action="store_true", help="trace: repeat it until the duration / request count")
     w.add_argument("--images-per-request", type=int, default=0)
     w.add_argument("--image-tiles", type=int, default=1, help="tiles per image (tokens = tiles x the profile's tokens_per_tile)")
+    w.add_argument("--image-position", choices=("after-text", "before-text"), default="after-text",
+                   help="where the images sit in a prompt: after its text (as bench serve --dataset random-mm "
+                        "sends them; the text is prefilled while the images encode) or before it")
     w.add_argument("--seed", type=int, default=0)
 
 
@@ -163,6 +166,7 @@ def sim_config_kwargs(ns: argparse.Namespace) -> dict:
         "max_model_len": ns.max_model_len,
         "enable_prefix_caching": not ns.no_prefix_caching,
         "is_mm_pipelined": not ns.no_pipeline,
+        "images_after_text": ns.image_position == "after-text",
         "encode_max_batch_images": ns.encode_batch_images,
         "is_fast_forward": not ns.no_fast_forward,
         "instances_per_host": ns.instances_per_host,

@@ -72,7 +72,8 @@ class ClusterSim(SimLoop):
         rid = str(index)
         prompt = w.prompt_token_ids(index, self._filler)
         if self.num_image_tokens:
-            prompt = [DUMMY_TOKEN_ID] * self.num_image_tokens + prompt
+            images = [DUMMY_TOKEN_ID] * self.num_image_tokens
+            prompt = prompt + images if config.images_after_text else images + prompt
         prompt_blocks = PromptBlocks(prompt) if self.is_prefix_aware else None
         service_class = SERVICE_CLASSES[self.class_ids[index]]
         key = schedule_key(service_class)
@@ -200,8 +201,9 @@ class ClusterSim(SimLoop):
     def _submit_images(self, flight: Flight, request: Request) -> None:
         w = self.workload
         tokens = self.num_image_tokens // w.num_images
+        first = flight.num_prompt - self.num_image_tokens if self.config.images_after_text else 0
         for k in range(w.num_images):
-            mm = MMInput(offset=k * tokens, length=tokens, num_embeds=tokens,
+            mm = MMInput(offset=first + k * tokens, length=tokens, num_embeds=tokens,
                          content_hash=f"{flight.index:011x}{k:04x}")
             flight.mm_inputs.append(mm)
             encoder = self._pick("encode")

@@ -27,6 +27,9 @@ class SimConfig:
     max_model_len: int | None = None  # None: the workload's longest request
     enable_prefix_caching: bool = True
     is_mm_pipelined: bool = True
+    # Where a request's images sit in its prompt: after its text (as bench's random-mm and chat
+    # clients send them: the text is prefilled while the images encode) or before it.
+    images_after_text: bool = True
     encode_max_batch_images: int = 8
     max_detail_requests: int = 10_000  # requests that keep inter-token gaps and timing
     is_fast_forward: bool = True  # decode-only stretches in bulk (same result as stepping)

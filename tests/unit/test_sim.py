@@ -148,15 +148,28 @@ def test_layerwise_closed_form_matches_layer_by_layer_sends():
         assert link.free_at == pytest.approx(t)
 
 
-def test_encode_then_prefill():
-    # One image of one tile (16 tokens): encode 0.052 s, embeddings 16 x 1000 B at 1 MB/s
-    # (0.016 s), then a 48-token prefill step (0.058 s).
+def test_encode_then_prefill_image_before_text():
+    # One image of one tile (16 tokens) ahead of the text: encode 0.052 s, embeddings 16 x 1000 B
+    # at 1 MB/s (0.016 s), then a 48-token prefill step (0.058 s).
     w = fixed_workload([0.0], [32], [2], num_images=1, tiles_per_image=1)
-    _, rec = run(profile_dict(), "encode=1,prefill=1,decode=1", w, link_bytes_per_s=1e6)
+    _, rec = run(profile_dict(), "encode=1,prefill=1,decode=1", w, link_bytes_per_s=1e6, images_after_text=False)
     assert rec.components["encode_ms"][0] == pytest.approx(68.0)
     assert rec.components["queue_ms"][0] == pytest.approx(0.0)
     assert rec.ttft[0] == pytest.approx(0.068 + 0.058)
     assert rec.prompt_len[0] == 48
+
+
+def test_text_before_the_image_is_prefilled_while_it_encodes():
+    # The image after the text (as bench's random-mm sends it): the 32 text tokens are computed
+    # at once (0.042 s, inside the 0.068 s the embedding takes), then the 16 image tokens
+    # (0.026 s) once it is there.
+    w = fixed_workload([0.0], [32], [2], num_images=1, tiles_per_image=1)
+    sim, rec = run(profile_dict(), "encode=1,prefill=1,decode=1", w, link_bytes_per_s=1e6)
+    assert rec.components["encode_ms"][0] == pytest.approx(68.0)
+    assert rec.ttft[0] == pytest.approx(0.068 + 0.026)
+    assert rec.prompt_len[0] == 48
+    prefill = next(i for i in sim.instances if i.worker.role == "prefill")
+    assert prefill.scheduler.num_computed_prompt_tokens == 48
 
 
 def test_pipelined_prefill_starts_before_the_last_image():
