@@ -628,7 +628,7 @@ def step_ratios(trace_dir: Path, windows: list[tuple[float, float]], cost: CostM
     traces = [read_step_trace(p) for p in sorted(trace_dir.glob("*.jsonl"))]
     sums: dict[str, dict[str, list[float]]] = {}
     for trace in traces:
-        if not len(trace.walls):
+        if trace.role == "encode" or not len(trace.walls):  # an encoder's batches: only its neighbours' busy time
             continue
         keep = np.any([(trace.starts >= a) & (trace.starts < b) for a, b in windows], axis=0)
         if not keep.any():

@@ -22,6 +22,7 @@ import torch
 
 from epdserve.cluster import messages as m
 from epdserve.cluster.router_link import MalformedFrame
+from epdserve.cluster.step_trace import StepTrace
 from epdserve.cluster.worker_base import Handler, WorkerBase, run_process
 from epdserve.config import resolve_device_name, resolve_dtype_name
 from epdserve.engine.encoder_runner import EncodeJob, EncodeResult, EncoderRunner
@@ -51,6 +52,7 @@ class EncodeWorkerOptions:
     heartbeat_s: float = 0.2
     die_with_parent: bool = False
     cluster_key: bytes = field(default=b"", repr=False)  # the cluster secret (epdserve/auth.py)
+    step_trace_dir: str | None = None  # write every encoder batch to DIR/<worker id>.jsonl (step_trace.py)
 
     def __post_init__(self) -> None:
         if self.max_batch_images < 1:
@@ -74,6 +76,8 @@ class EncodeWorker(WorkerBase):
         self.slabs: dict[str, EmbeddingSlab | TcpSlabSender] = {}  # consumer id -> its slab (shm) or link (tcp)
         self.queue: deque[m.EncodeImage] = deque()
         self._num_busy = 0
+        self._step_trace = (StepTrace(opts.step_trace_dir, opts.worker_id, "encode", torch.get_num_threads())
+                            if opts.step_trace_dir else None)
 
     def register(self) -> m.Register:
         return self._register(model_name=self.opts.vision or "default", max_model_len=0, num_kv_blocks=0,
@@ -149,7 +153,12 @@ class EncodeWorker(WorkerBase):
         batch = [self.queue.popleft() for _ in range(min(self.opts.max_batch_images, len(self.queue)))]
         self._num_busy = len(batch)
         try:
-            results = self.runner.run([EncodeJob(job.content_hash, job.data) for job in batch])
+            jobs = [EncodeJob(job.content_hash, job.data) for job in batch]
+            if self._step_trace is None:
+                results = self.runner.run(jobs)
+            else:
+                with self._step_trace.batch(len(jobs)):
+                    results = self.runner.run(jobs)
         except Exception as e:  # past the runner's own per-image isolation: the batch fails
             if is_fatal(e):
                 raise
@@ -211,6 +220,9 @@ class EncodeWorker(WorkerBase):
         for slab in self.slabs.values():
             slab.close()
         self.slabs.clear()
+        if self._step_trace is not None:
+            self._step_trace.close()
+            self._step_trace = None
 
 
 def run_encode_worker(opts: EncodeWorkerOptions) -> int:

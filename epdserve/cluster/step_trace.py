@@ -1,4 +1,5 @@
-"""A serving worker's step trace: one JSON line per engine step that ran the model.
+"""A serving worker's step trace: one JSON line per engine step that ran the model (an encode
+worker: per encoder batch).
 
 ``epdserve serve --step-trace-dir DIR`` makes each worker write ``DIR/<worker id>.jsonl``; the
 first line names the worker (id, role, threads), every later line is one step: when it began,
@@ -6,7 +7,8 @@ how long it took in service (the engine step and sending its outputs, wall time)
 spent in ``ModelRunner.execute`` (what ``epdserve profile`` times; the rest is scheduling, output
 processing and sending), the worker's
 CPU time meanwhile (for a one-thread worker, wall minus CPU is time other processes held its
-core) and its shape in the cost model's terms. ``epdserve calibrate`` compares these steps with
+core), its shape in the cost model's terms, the pool's free blocks after it and, with KV tiers,
+the blocks held until their write-down to the tiers finishes. ``epdserve calibrate`` compares these steps with
 what an offline profile predicts for the same shapes (see ``planner/calibrate.py``).
 """
 
@@ -48,7 +50,20 @@ class StepTrace:
         wall_s, cpu_s = time.monotonic() - start, time.process_time() - cpu_start
         shape = StepShape.from_scheduler_output(plan)
         record = {"t": round(start, 6), "wall_s": round(wall_s, 6), "model_s": round(engine.last_model_s, 6),
-                  "cpu_s": round(cpu_s, 6), **shape.to_dict()}
+                  "cpu_s": round(cpu_s, 6), **shape.to_dict(), "free_blocks": engine.kv_cache.num_free_blocks()}
+        if engine.kv_offload is not None:
+            record["pinned_blocks"] = engine.kv_offload.num_pinned  # held until written to the KV tiers
+        self._file.write(json.dumps(record) + "\n")
+
+    @contextlib.contextmanager
+    def batch(self, num_images: int) -> Iterator[None]:
+        """Around one encoder batch (the encode worker has no engine step): recorded with its
+        images and no step shape, so ``epdserve calibrate`` counts it as a neighbour's busy time
+        and fits no cost to it."""
+        start, cpu_start = time.monotonic(), time.process_time()
+        yield
+        record = {"t": round(start, 6), "wall_s": round(time.monotonic() - start, 6),
+                  "cpu_s": round(time.process_time() - cpu_start, 6), "num_images": num_images}
         self._file.write(json.dumps(record) + "\n")
 
     def close(self) -> None:

@@ -46,7 +46,7 @@ def add_worker_args(wrk: argparse.ArgumentParser) -> None:
     wrk.add_argument("--embed-transport", choices=TRANSPORTS, default="auto", help="how encode workers reach the slab")
     wrk.add_argument("--encode-batch-images", type=int, default=1, help="images per encoder forward pass")
     wrk.add_argument("--encoder-cache-mb", type=float, default=256.0, help="content-hash embedding cache")
-    wrk.add_argument("--step-trace-dir", default=None, help="write every model step to DIR/<worker id>.jsonl (for epdserve calibrate)")
+    wrk.add_argument("--step-trace-dir", default=None, help="write every model step (encode: every encoder batch) to DIR/<worker id>.jsonl (for epdserve calibrate)")
     wrk.add_argument("--die-with-parent", action="store_true", help=argparse.SUPPRESS)
     wrk.add_argument("--debug-stall-kv-transfers", action="store_true", help=argparse.SUPPRESS)
     add_engine_args(wrk)
@@ -69,7 +69,7 @@ def run_worker_command(ns: argparse.Namespace) -> int:
             router=ns.router, worker_id=ns.worker_id or f"encode-{os.getpid()}", model=ns.model,
             vision=ns.vision, dtype=ns.dtype, device=ns.device, seed=ns.seed, cores=cores,
             max_batch_images=ns.encode_batch_images, cache_bytes=int(ns.encoder_cache_mb * (1 << 20)),
-            die_with_parent=ns.die_with_parent, cluster_key=key,
+            die_with_parent=ns.die_with_parent, cluster_key=key, step_trace_dir=ns.step_trace_dir,
         ))
     opts = WorkerOptions(
         role=ns.role, router=ns.router, cores=cores, kv_transport=ns.kv_transport, kv_host=ns.kv_host,

@@ -4,7 +4,8 @@ An offline profile times each role's steps alone on its cores. In service the sa
 longer: workers that share a host share its memory bandwidth and last-level cache, and the
 router, the HTTP server and the clients take CPU time from the workers' cores. A short serving
 run with ``epdserve serve --step-trace-dir DIR`` records every model step each worker ran
-(``cluster/step_trace.py``); for each role this module predicts every traced step from the
+(``cluster/step_trace.py``; an encode worker records its batches, which count as a neighbour's
+busy time and are fitted no cost); for each role this module predicts every traced step from the
 profile, split into the cost model's term groups (base, prefill terms, decode terms), and fits
 per group a factor for a step alone and an extra for a step during which the host's other traced
 workers are mid-step: a step of one sequence that streams the model's weights slows far more
@@ -161,12 +162,16 @@ def calibrate(cost: CostModel, trace_dir: Path, since: float | None = None,
     traces = []
     for path in files:
         trace = read_step_trace(path)
-        if trace.role not in STEP_ROLES:
+        if trace.role not in STEP_ROLES and trace.role != "encode":
             raise ConfigError(f"{path}: role {trace.role!r} has no step cost to calibrate")
         traces.append(trace)
+    if not any(t.role in STEP_ROLES for t in traces):
+        raise ConfigError(f"{trace_dir} holds encoder batches only: no {', '.join(STEP_ROLES)} steps to calibrate")
     by_role: dict[str, list[tuple[np.ndarray, ...]]] = {}
     cpu: dict[str, list[tuple[float, float]]] = {}  # one-thread workers: (CPU s, served s)
     for trace in traces:
+        if trace.role == "encode":  # an encoder's batches are its neighbours' busy time; no step cost fitted
+            continue
         # Overlaps are measured against every traced step, the role's fit only on the steps kept
         # (``since``, ``windows``).
         keep = np.ones(len(trace.walls), dtype=bool) if since is None else trace.starts >= since

@@ -102,8 +102,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                    help="restart a worker that dies at most N times in 10 minutes, with back-off (0: never)")
     g.add_argument("--worker-log-dir", default=None, help="write each worker's output to DIR/<id>.log")
     g.add_argument("--step-trace-dir", default=None,
-                   help="each prefill/decode/colocated worker writes its model steps (shape, time in service) "
-                        "to DIR/<id>.jsonl, for epdserve calibrate")
+                   help="each prefill/decode/colocated worker writes its model steps (shape, time in service), "
+                        "each encode worker its encoder batches, to DIR/<id>.jsonl, for epdserve calibrate")
     v = parser.add_argument_group("images")
     v.add_argument("--vision", default=None,
                    help="take images: the vision tower ('default', 'smolvlm-256m'; a VLM checkpoint brings its own). "
@@ -306,7 +306,7 @@ async def serve(ns: argparse.Namespace) -> int:
                       else consumer_extra if role in (Role.PREFILL, Role.COLOCATED) or may_switch else [])
         if role == Role.DECODE or may_switch:
             role_extra = [*role_extra, "--reservation-lease", str(ns.reservation_lease)]
-        if ns.step_trace_dir and role != Role.ENCODE:
+        if ns.step_trace_dir:
             role_extra = [*role_extra, "--step-trace-dir", ns.step_trace_dir]
         if role in (Role.PREFILL, Role.DECODE):
             role_extra = [*role_extra, "--tensor-parallel-size", str(role_tp(ns, role))]

@@ -74,8 +74,10 @@ def greedy(server: Server) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def e_colocated(tmp_path_factory):
-    server = start_server(EXACT + ["--encode-workers", "1", "--colocated-workers", "1", "--max-images-per-request", "4"],
-                          str(tmp_path_factory.mktemp("e_colocated")))
+    log_dir = tmp_path_factory.mktemp("e_colocated")
+    server = start_server(EXACT + ["--encode-workers", "1", "--colocated-workers", "1", "--max-images-per-request", "4",
+                                   "--step-trace-dir", str(log_dir / "steps")], str(log_dir))
+    server.step_trace_dir = log_dir / "steps"
     yield server
     stop_server(server)
 
@@ -114,6 +116,11 @@ def test_repeated_image_hits_the_encoder_cache_and_slab_space_returns(e_colocate
     metrics = httpx.get(f"{e_colocated.url}/metrics").text
     assert "epdserve_encoder_cache_hits_total 2.0" in metrics or "epdserve_encoder_cache_hits_total" in metrics
     wait_slabs_free(e_colocated)
+    # --step-trace-dir: the encode worker records its batches (for calibrate, a neighbour's busy time).
+    lines = (e_colocated.step_trace_dir / f"{encoder['id']}.jsonl").read_text().splitlines()
+    assert json.loads(lines[0])["role"] == "encode"
+    batches = [json.loads(line) for line in lines[1:]]
+    assert batches and all(b["wall_s"] > 0 and b["num_images"] >= 1 for b in batches)
 
 
 def _png_claiming_size(width: int, height: int) -> bytes:

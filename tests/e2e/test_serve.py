@@ -341,6 +341,9 @@ def test_workers_trace_their_steps_and_calibrate_reads_them(pd_shm):
     for path in pd_shm.step_trace_dir.glob("*.jsonl"):  # the worker's CPU time per step
         records = [json.loads(line) for line in path.read_text().splitlines()[1:]]
         assert records and all(r["cpu_s"] >= 0 for r in records)
+        # The pool's free blocks after each step (a running sequence holds some); no tiers, no pins.
+        assert all(isinstance(r["free_blocks"], int) and r["free_blocks"] >= 0 for r in records)
+        assert not any("pinned_blocks" in r for r in records)
     # Calibrating a synthetic profile on them scales each role by its fitted factor for a step alone.
     cost = CostModel.from_dict(profile_dict())
     calibrated, result = calibrate(cost, pd_shm.step_trace_dir)

@@ -107,11 +107,36 @@ def test_neighbour_slowdown_fitted_from_overlapping_steps(tmp_path):
         calibrate(cost, tmp_path, windows=[(5.0, 5.0)])
 
 
+def test_encoder_batches_count_as_a_busy_neighbour(tmp_path):
+    """An encode worker's trace (its batches, no step shape) is a neighbour's busy time: the
+    decode steps that overlap its batches carry the neighbour term; no encode cost is fitted."""
+    cost = CostModel.from_dict(profile_dict())
+    shape = StepShape(0, 0, 4, 1200)
+    pred = cost.role("decode").step.time_s(shape)
+    rows, t = [], 0.0
+    for i in range(40):
+        wall = pred * (2.0 if i >= 20 else 1.0)  # the encoder takes half the core from step 20 on
+        rows.append((t, wall))
+        t += wall
+    write_trace(tmp_path, "decode-0", "decode", [(shape, w) for _, w in rows])
+    busy_from = rows[20][0]
+    batches = [json.dumps({"t": busy_from + k * 0.05, "wall_s": 0.05, "cpu_s": 0.025, "num_images": 1})
+               for k in range(int((t - busy_from) / 0.05) + 2)]
+    (tmp_path / "encode-0.jsonl").write_text("\n".join(
+        [json.dumps({"worker_id": "encode-0", "role": "encode", "num_threads": 1}), *batches]) + "\n")
+    calibrated, result = calibrate(cost, tmp_path)
+    assert set(result) == {"decode"}
+    role = calibrated.role("decode")
+    assert role.step.time_s(shape) == pytest.approx(pred, rel=1e-2)
+    assert role.step.time_s(shape) + role.neighbour_step.time_s(shape) == pytest.approx(2.0 * pred, rel=1e-2)
+
+
 @pytest.mark.parametrize("files, message", [
     ({}, "no step traces"),
     ({"w.jsonl": "not json\n"}, "not a step trace"),
     ({"w.jsonl": '{"worker_id": "w"}\n'}, "role"),
-    ({"w.jsonl": '{"role": "encode"}\n'}, "no step cost"),
+    ({"w.jsonl": '{"role": "router"}\n'}, "no step cost"),
+    ({"w.jsonl": '{"role": "encode"}\n{"t": 0, "wall_s": 0.1, "num_images": 1}\n'}, "encoder batches only"),
     ({"w.jsonl": '{"role": "decode"}\n{"t": 0, "wall_s": 0.1, "num_decode_seqs": 1}\n'}, f"at least {MIN_STEPS}"),
     ({"w.jsonl": '{"role": "decode"}\n{"t": 0, "num_decode_seqs": 1}\n'}, "not a step trace"),
 ])
