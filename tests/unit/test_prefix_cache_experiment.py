@@ -18,11 +18,12 @@ from epdserve.bench.experiments.prefix_cache import (
     Scale,
     conversation_subset,
     conversations,
+    find_knee,
     merge_rounds,
     subset_stats,
     summarize_level,
 )
-from epdserve.bench.experiments.prefix_cache_report import crossover_table, describe_machines, goals, round_lines
+from epdserve.bench.experiments.prefix_cache_report import crossover_table, describe_machines, goals, knee_lines, round_lines
 from epdserve.bench.traces import TraceRecord
 
 
@@ -134,3 +135,30 @@ def test_rounds_are_merged_by_mean_and_each_rounds_goals_are_reported():
     text = "\n".join(round_lines({"goals": goals(merged), "goals_by_round": [goals(r) for r in rounds]}))
     assert "2.00 / 50 %" in text and "1.00 / 50 %" in text
     assert round_lines({"goals": goals(merged), "goals_by_round": [goals(rounds[0])]}) == []
+
+
+def _ladder(*rates: float) -> Scale:
+    return Scale(1, 3, 9600, 0.1, rates, 1.0, 1.0, 8, 8, 0.1, 0.1, 256, (32,), 1, rate_multiples=(1.25, 1.5))
+
+
+def test_knee_is_the_last_probed_rate_that_kept_the_share_and_probing_stops_past_it():
+    shares = {1.0: 1.0, 2.0: 0.95, 3.0: 0.6, 4.0: 0.1}
+    probed = []
+
+    def probe(rate: float) -> dict:
+        probed.append(rate)
+        return {"request_rate": rate, "request_goodput": rate * shares[rate], "goodput_share": shares[rate],
+                "ttft_p50_ms": 100.0, "ttft_p99_ms": 900.0, "tpot_p99_ms": 50.0}
+
+    knee = find_knee(_ladder(1.0, 2.0, 3.0, 4.0), probe)
+    assert probed == [1.0, 2.0, 3.0]  # 3.0 kept 60 %: no higher rate is tried
+    assert knee["rate"] == 2.0 and not knee["is_below_ladder"] and len(knee["probes"]) == 3
+    text = "\n".join(knee_lines({"knee": knee}))
+    assert "the knee, the last rate before, is 2.00 req/s" in text and "1.25, 1.5 × the knee" in text
+    assert "60 %" in text and "95 %" in text  # every probe's share is listed
+    # Even the first rate misses: the knee is that rate, said so.
+    probed.clear()
+    knee = find_knee(_ladder(3.0, 4.0), probe)
+    assert probed == [3.0] and knee["rate"] == 3.0 and knee["is_below_ladder"]
+    assert "below the ladder" in "\n".join(knee_lines({"knee": knee}))
+    assert knee_lines({}) == []

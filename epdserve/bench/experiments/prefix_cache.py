@@ -4,7 +4,7 @@ multi-turn traffic, and where loading a cached prefix stops paying against recom
 Part 1, the trace. From the Mooncake conversation trace, the first conversations with at
 least ``min_turns`` turns (a turn extends an earlier turn's block hashes: the history is its
 prefix) whose prompts all fit, in the trace's own arrival order, lengths scaled down and time
-compressed to a few replay durations (each a request rate). Each arm is a fresh server on the
+compressed to a replay duration per request rate. Each arm is a fresh server on the
 same two cores with a deliberately small pool per worker, so that a conversation's history is
 usually evicted before its next turn arrives:
 
@@ -21,6 +21,9 @@ SLO whatever the routing (TPOT P50 105-174 ms at 1.62-3.24 req/s against the 100
 decode alone on one core and the prefill workers held to half of the other each, it was
 prefill-bound (TTFT P50 3.0-9.2 s at 3.24-5.93 req/s, 3-19 % within the SLO in every arm), so the
 cache could not show in either.
+The rates: the baseline (least-prefill, no tiers) is replayed first at rising rates until
+fewer than 90 % of its requests meet the SLO; the last rate before is its knee, and every arm
+runs at multiples of it (below the knee no arm can reach 1.5x the baseline's goodput).
 Every arm at every rate runs ``rounds`` times (two at full scale; this host's speed moves
 within minutes, and one run near the knee can differ from the next by a third), the arms'
 order rotated each round; the tables hold the rounds' means and the goals each round's own
@@ -41,6 +44,7 @@ import json
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -58,7 +62,7 @@ from epdserve.bench.experiments.launch import (
     start_server,
     stop_server,
 )
-from epdserve.bench.experiments.prefix_cache_report import NAME, build_report, goals, write_plots
+from epdserve.bench.experiments.prefix_cache_report import BASELINE, NAME, build_report, goals, write_plots
 from epdserve.bench.experiments.report import begin, write_outputs
 from epdserve.bench.traces import TRACE_BLOCK_TOKENS, TraceRecord, read_trace
 from epdserve.envs import EPDSERVE_TRACES_DIR, get_traces_dir
@@ -101,7 +105,7 @@ class Scale:
     min_turns: int
     max_input_len: int  # trace tokens, before length_scale
     length_scale: float
-    durations_s: tuple[float, ...]  # the subset replayed over each of these (one rate each)
+    probe_rates: tuple[float, ...]  # req/s, rising: the baseline's knee is looked for on this ladder
     slo_ttft_ms: float
     slo_tpot_ms: float
     num_kv_blocks: int  # per worker
@@ -112,16 +116,21 @@ class Scale:
     crossover_lengths: tuple[int, ...]  # prefix tokens
     crossover_reps: int
     rounds: int = 1  # every arm at every rate this many times, on fresh servers, arms rotated per round
+    rate_multiples: tuple[float, ...] = (1.0,)  # the rates every arm runs at, as multiples of the knee
+    knee_share: float = 0.9  # the knee: the highest probed rate at which this share of requests meets the SLO
 
 
-# Replay durations: 3.24, 4.45 and 5.93 requests/s on 1P1D (least-prefill kept 99 % and 95 % of
-# requests within the SLO at 1.62 and 2.37 req/s there, 83 % at 3.24: below the knee no arm can
-# reach 1.5x its goodput).
-# The decode worker's pool holds the running sequences' contexts at the highest rate (a pool of
-# 128 blocks, about five prompts, turned 29-50 % of the requests away in an earlier run).
-FULL = Scale(32, 4, 9600, 0.1, (55.0, 40.0, 30.0), 1000.0, 100.0, 128, 512, 0.25, 1.0, 2048,
-             (32, 64, 128, 256, 512, 1024, 1536), 3, rounds=2)
-QUICK = Scale(3, 4, 9600, 0.05, (20.0,), 20000.0, 2000.0, 64, 128, 0.1, 0.2, 1024, (32, 128), 1)
+# Rates: a knee probe of the baseline (``find_knee``) on a ladder from 1.6 req/s up by 1.2x, the
+# arms at 1.25, 1.5 and 1.75x the knee (fixed rates tuned on one day's host were all past the
+# knee on a slower day). The decode worker's pool is small for the trace (512 blocks, about 20
+# conversations' contexts): the memory-pressed regime the tiers are for; with 2048 blocks the
+# decode worker's own prefix cache, pulled from by the prefill worker, served 69 % of prompt
+# tokens without tiers and the tiers added 5 %. TPOT SLO 200 ms: five times a one-sequence decode
+# step (38-40 ms in the decode worker's step trace here; sim_fidelity's rule): a burst of the
+# trace puts 20-30 sequences on the decode worker's one core, 75-105 ms a step, in every arm.
+FULL = Scale(32, 4, 9600, 0.1, (1.6, 1.9, 2.3, 2.8, 3.3, 4.0), 1000.0, 200.0, 128, 512, 0.25, 1.0, 2048,
+             (32, 64, 128, 256, 512, 1024, 1536), 3, rounds=2, rate_multiples=(1.25, 1.5, 1.75))
+QUICK = Scale(3, 4, 9600, 0.05, (0.8,), 20000.0, 2000.0, 64, 128, 0.1, 0.2, 1024, (32, 128), 1)
 
 
 # ---------------------------------------------------------------- part 1: the trace
@@ -240,12 +249,13 @@ def summarize_level(result: dict, duration_s: float) -> dict:
 
 
 def run_trace_arm(topology: str, arm: str, durations: tuple[float, ...], subset: Path, span_s: float,
-                  scale: Scale, out_dir: Path, commands: list[str], use_quota: bool, round_index: int = 0) -> list[dict]:
+                  scale: Scale, out_dir: Path, commands: list[str], use_quota: bool, round_index: int = 0,
+                  label: str = "") -> list[dict]:
     """A fresh server per rate (a rate's cache must not warm the next), the trace replayed once;
     with ``use_quota`` each worker held to the topology's share of a core."""
     levels = []
     for duration in durations:
-        tag = f"{topology}_{arm}_{duration:g}s_r{round_index + 1}".replace("=", "").replace(",", "_").replace("+", "_")
+        tag = f"{label}{topology}_{arm}_{duration:g}s_r{round_index + 1}".replace("=", "").replace(",", "_").replace("+", "_")
         disk_dir = Path(tempfile.mkdtemp(prefix="kv-disk-", dir=out_dir))
         server = start_server(serve_flags(topology, arm, scale, disk_dir), out_dir / "logs" / tag)
         commands.append(server.command)
@@ -266,11 +276,28 @@ def run_trace_arm(topology: str, arm: str, durations: tuple[float, ...], subset:
                 quotas.close()
             shutil.rmtree(disk_dir, ignore_errors=True)
         level = summarize_level(json.loads(result_path.read_text(encoding="utf-8")), duration)
-        print(f"round {round_index + 1} {topology} {arm} {level['request_rate']:.2f} req/s: goodput {level['request_goodput']:.2f}, "
+        print(f"{label}round {round_index + 1} {topology} {arm} {level['request_rate']:.2f} req/s: goodput {level['request_goodput']:.2f}, "
               f"TTFT p50 {level['ttft_p50_ms']:.0f} p99 {level['ttft_p99_ms']:.0f} ms, hits "
               + ", ".join(f"{k} {100 * v:.0f} %" for k, v in level["hit_share"].items()), flush=True)
         levels.append(level)
     return levels
+
+
+def find_knee(scale: Scale, probe: Callable[[float], dict]) -> dict:
+    """The baseline's knee: ``probe(rate)`` (least-prefill without tiers replayed at that rate)
+    at each rate of the ladder, lowest first, until fewer than ``knee_share`` of its requests
+    meet the SLO; the knee is the last rate before (the ladder's first when even that one misses:
+    ``is_below_ladder``). Below the knee no arm can have 1.5x the baseline's goodput (it already
+    serves nearly every request in time), so the arms run past it, at ``rate_multiples`` of it."""
+    probes, knee = [], None
+    for rate in scale.probe_rates:
+        level = probe(rate)
+        probes.append(level)
+        if level["goodput_share"] < scale.knee_share:
+            break
+        knee = rate
+    return {"probes": probes, "rate": scale.probe_rates[0] if knee is None else knee, "is_below_ladder": knee is None,
+            "share": scale.knee_share, "rate_multiples": list(scale.rate_multiples)}
 
 
 def merge_rounds(rounds: list[dict[str, list[dict]]]) -> dict[str, list[dict]]:
@@ -383,7 +410,12 @@ def run(out_dir: Path, quick: bool) -> str:
         raise BenchError(f"prefix-cache holds each worker of {MAIN_TOPOLOGY} to a CPU quota and cannot here: {why}")
     use_quota = wants_quota and why is None
     commands: list[str] = []
-    durations = scale.durations_s if not quick else scale.durations_s[:1]
+    def probe(rate: float) -> dict:
+        return run_trace_arm(MAIN_TOPOLOGY, BASELINE, (round(stats["num_requests"] / rate, 3),), subset,
+                             stats["span_s"], scale, out_dir, commands, use_quota, label="probe_")[0]
+
+    knee = find_knee(scale, probe)
+    durations = tuple(round(stats["num_requests"] / (m * knee["rate"]), 3) for m in scale.rate_multiples)
     arms = list(ARMS)
     rounds = []
     for k in range(scale.rounds):  # the arms rotate, so no arm always runs first or last in a round
@@ -396,7 +428,7 @@ def run(out_dir: Path, quick: bool) -> str:
     results = {"scale": asdict(scale), "workload": stats, "topology": MAIN_TOPOLOGY,
                "machines": ({role: asdict(m) for role, m in MACHINES[MAIN_TOPOLOGY].items()} if use_quota else None),
                "quota_wanted": wants_quota,
-               "trace": trace_results,
+               "knee": knee, "trace": trace_results,
                "goals": goals(trace_results[MAIN_TOPOLOGY]),
                "goals_by_round": [goals(levels) for levels in rounds], "rounds": rounds,
                "crossover": crossover, "commands": commands}

@@ -92,6 +92,23 @@ def round_lines(results: dict) -> list[str]:
             "per round, the arms' order rotated); per round:", "", markdown_table(headers, rows), ""]
 
 
+def knee_lines(results: dict) -> list[str]:
+    """How the rates were set: the baseline's probes and the knee found on them."""
+    knee = results.get("knee")
+    if not knee:
+        return []
+    rows = [[lv["request_rate"], lv["request_goodput"], pct(lv["goodput_share"]), lv["ttft_p50_ms"],
+             lv["ttft_p99_ms"], lv["tpot_p99_ms"]] for lv in knee["probes"]]
+    where = (f"below the ladder: even its first rate, {knee['rate']:.2f} req/s, kept fewer, and the arms run at "
+             "multiples of that" if knee["is_below_ladder"] else f"{knee['rate']:.2f} req/s")
+    multiples = ", ".join(f"{m:g}" for m in knee["rate_multiples"])
+    return [f"Rates: {BASELINE} without tiers replayed at rising rates until fewer than {pct(knee['share'])} of its "
+            f"requests met the SLO (one run each); the knee, the last rate before, is {where}. Every arm runs "
+            f"at {multiples} × the knee (at or below it no arm can have {GOAL_GOODPUT_RATIO:g}× the baseline's goodput).",
+            "", markdown_table(["rate (req/s)", "goodput (req/s)", "within SLO", "TTFT P50 (ms)", "TTFT P99 (ms)",
+                                "TPOT P99 (ms)"], rows), ""]
+
+
 def describe_machines(results: dict) -> str:
     """What each worker ran on: per role a share of a core on given cores, one share for all
     (earlier results), or serve's own pinning."""
@@ -133,6 +150,7 @@ def build_report(results: dict, run: ExperimentRun, plot_names: list[str]) -> st
         "",
         f"## {topology}: {machines}",
         "",
+        *knee_lines(results),
         markdown_table(["arm", "rate (req/s)", "goodput (req/s)", "within SLO", "TTFT P50 (ms)", "TTFT P99 (ms)",
                         "TPOT P99 (ms)", "prompt from pool", "from host tier", "from disk tier", "failed"],
                        trace_rows(levels)),
