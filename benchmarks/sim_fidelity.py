@@ -894,8 +894,40 @@ def _pool_ratios(parts: list[dict]) -> dict:
     return {"served_over_predicted": mean, "num_steps": n}
 
 
+def rejudge(out_dir: Path) -> str:
+    """The real runs stored in ``out_dir`` (a finished run's results.json, its bench results and
+    replay traces) replayed again in the simulator as it is now, on the profiles that run judged
+    on (no calibration redone, the step-time attribution kept): a change to the simulator judged
+    without new real runs. Writes results_rejudged.json and report_rejudged.md; returns the report."""
+    results = json.loads((out_dir / "results.json").read_text(encoding="utf-8"))
+    scale = Scale(**{k: tuple(v) if isinstance(v, list) else v for k, v in results["scale"].items()})
+    log: list[str] = []
+    cells = results["cells"]
+    for cell in cells:
+        topology = cell["topology"]
+        workload = next(w for w in workloads(scale, topology, results["with_azure"]) if w.name == cell["workload"])
+        slo = Slo(*cell["slo"])
+        for key, path in cell["profiles"].items():
+            suffix = {"sim": "", "sim_stretch": "_stretch", "sim_offline": "_offline"}[key]
+            sims = [simulate(Path(path), topology, ["--workload", "trace", str(out_dir / f"trace_{tag}.jsonl"),
+                                                    *workload.sim_image_args()],
+                             slo, out_dir / f"rejudged{suffix}_{tag}.json", log) for tag in cell["tags"]]
+            cell[f"{key}_runs"] = [score(sim, slo) for sim in sims]
+            cell[key] = summarize_cell(cell["real_runs"], cell[f"{key}_runs"])
+    judgements = {key: judge(cells, key) for key in PROFILE_KEYS if all(key in c for c in cells)}
+    results.update(cells=cells, judgements=judgements, rejudged_commands=log)
+    (out_dir / "results_rejudged.json").write_text(json.dumps(results, indent=2, default=str) + "\n", encoding="utf-8")
+    report = build_report(cells, judgements, scale, results)
+    report = report.replace("# sim_fidelity", "# sim_fidelity (stored real runs, replayed again: --rejudge)", 1)
+    (out_dir / "report_rejudged.md").write_text(report, encoding="utf-8")
+    return report
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rejudge", type=Path, default=None, metavar="DIR",
+                        help="replay a finished run's stored real runs (DIR/results.json) in the simulator as it is "
+                             "now, on the profiles it judged on; no server is started")
     parser.add_argument("--profile", type=Path, default=None, help="profile.json (default: measure one first)")
     parser.add_argument("--out", type=Path, default=Path("out/sim_fidelity"))
     parser.add_argument("--topology", "--only", dest="topologies", action="append", choices=list(TOPOLOGIES),
@@ -916,6 +948,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--slo-tpot-ms", type=float, default=None,
                         help=f"TPOT SLO (default: {SLO_TPOT_STEPS:g} x a decode step of one sequence on the profile)")
     ns = parser.parse_args(argv)
+    if ns.rejudge is not None:
+        if not (ns.rejudge / "results.json").is_file():
+            parser.error(f"--rejudge: no results.json in {ns.rejudge}")
+        print(rejudge(ns.rejudge))
+        return 0
     scale = QUICK if ns.quick else FULL
     if ns.rounds is not None:
         if ns.rounds < 1:
@@ -964,6 +1001,9 @@ def main(argv: list[str] | None = None) -> int:
                "workloads": {t: [w.name for w in ws] for t, ws in loads.items()},
                "slos": {name: slo._asdict() for name, slo in slos.items()}, "cells": cells,
                "judgements": judgements, "host_drift": drift, "busy_at_start": busy, "profile": str(profile),
+               "states": {t: {"trace_dirs": [str(d) for d in s.trace_dirs], "calibration_windows": s.calibration_windows,
+                              "first_profile": None if s.first_profile is None else str(s.first_profile),
+                              "runs": [r.__dict__ for r in s.runs]} for t, s in states.items()},
                "commands": commands, "wall_s": time.time() - started}
     (out_dir / "results.json").write_text(json.dumps(results, indent=2, default=str) + "\n", encoding="utf-8")
     write_plots(cells, out_dir)

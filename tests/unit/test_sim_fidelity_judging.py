@@ -46,3 +46,34 @@ def test_judge_counts_cell_metrics_and_averages_absolute_errors():
     assert not j["is_met"]  # 83 % inside, below 90 %
     assert sim_fidelity.judge([cell(0.04, -0.02, True)], "sim")["is_met"]
     assert not sim_fidelity.judge([cell(0.04, -0.02, False)], "sim")["is_met"]  # TPOT 20 % off
+
+
+def test_rejudge_replays_the_stored_runs_in_the_simulator_as_it_is_now(tmp_path):
+    """--rejudge: a finished run's stored replay traces simulated again on the profiles it judged
+    on (here a synthetic one: the cost model is not the subject), the cells and goal rewritten."""
+    import json
+
+    from sim_profiles import profile_dict
+
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps(profile_dict()))
+    # One request of 32 prompt tokens alone on a colocated instance: TTFT 0.01 + 32 x 1e-3 s.
+    (tmp_path / "trace_c_r1.jsonl").write_text(json.dumps({"timestamp": 0, "input_length": 32, "output_length": 3}) + "\n")
+    real = runs(ttft_p50_ms=[40.0, 44.0], goodput=[1.0, 1.0])
+    scale = sim_fidelity.QUICK
+    cell = {"topology": "colocated=2", "workload": "random", "load": 1.0, "rate": 1.0, "slo": [1000.0, 100.0],
+            "num_runs": 2, "real_runs": real, "tags": ["c_r1"], "profiles": {"sim": str(profile)},
+            "sim_runs": [], "sim": {}, "step_ratios": {}}
+    results = {"scale": scale.__dict__, "capacities": {"colocated=2": {"random": 1.0}}, "with_azure": False,
+               "workloads": {"colocated=2": ["random"]}, "slos": {"random": {"ttft_ms": 1000.0, "tpot_ms": 100.0}},
+               "cells": [cell], "judgements": {}, "host_drift": [], "busy_at_start": 0.0, "profile": str(profile),
+               "commands": []}
+    (tmp_path / "results.json").write_text(json.dumps(results))
+    report = sim_fidelity.rejudge(tmp_path)
+    out = json.loads((tmp_path / "results_rejudged.json").read_text())
+    ttft = out["cells"][0]["sim"]["ttft_p50_ms"]
+    assert ttft["sim"] == pytest.approx(42.0) and ttft["real_mean"] == 42.0 and ttft["is_inside"]
+    assert out["judgements"]["sim"]["num_cell_metrics"] >= 1
+    assert (tmp_path / "rejudged_c_r1.json").is_file() and "--rejudge" in report
+    assert (tmp_path / "report_rejudged.md").read_text() == report
+    assert json.loads((tmp_path / "results.json").read_text())["cells"][0]["sim"] == {}  # the run's own left alone
