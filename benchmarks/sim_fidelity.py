@@ -89,7 +89,7 @@ from epdserve.bench.experiments.report import (
 from epdserve.bench.traces import read_any_trace
 from epdserve.engine.step_shape import StepShape
 from epdserve.envs import get_traces_dir
-from epdserve.planner.calibrate import busy_overlap, read_step_trace, step_parts
+from epdserve.planner.calibrate import neighbour_split, read_step_trace, step_parts
 from epdserve.sim.cost_model import CostModel
 from epdserve.sim.topology import parse_topology
 
@@ -372,7 +372,7 @@ def simulate(profile: Path, topology: str, workload: list[str], slo: Slo, out: P
     num_workers = parse_topology(topology).num_instances
     run_logged(epdserve("simulate", "--profile", str(profile), "--topology", topology, *workload,
                         *slo.goodput_args(), "--max-model-len", str(MAX_MODEL_LEN),
-                        "--instances-per-host", str(num_workers),
+                        "--instances-per-host", str(num_workers), "--cores-per-host", str(len(os.sched_getaffinity(0))),
                         "--out", str(out), "--quiet"), log)
     return json.loads(out.read_text())
 
@@ -635,9 +635,10 @@ def step_ratios(trace_dir: Path, windows: list[tuple[float, float]], cost: CostM
             continue
         role = cost.role(trace.role)
         predicted = step_parts(role.step, trace.shapes).sum(axis=1)
+        sharing, overlap = neighbour_split(trace, traces)
         if role.neighbour_step is not None:
-            others = [t for t in traces if t is not trace]
-            predicted = predicted + busy_overlap(trace, others) * step_parts(role.neighbour_step, trace.shapes).sum(axis=1)
+            predicted = predicted + overlap * step_parts(role.neighbour_step, trace.shapes).sum(axis=1)
+        predicted = predicted * sharing  # its core time-shared with workers mid-step on it
         prefills = np.array([s.num_prefill_tokens > 0 for s in trace.shapes])
         role_sums = sums.setdefault(trace.role, {"prefill": [0.0, 0.0, 0], "decode": [0.0, 0.0, 0]})
         for kind, mask in (("prefill", prefills & keep), ("decode", ~prefills & keep)):

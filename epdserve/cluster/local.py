@@ -10,7 +10,7 @@ import subprocess
 import sys
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from epdserve.engine.failures import EXIT_FATAL
@@ -53,12 +53,13 @@ def available_cores() -> list[int]:
 
 def assign_cores(num_workers: int, cores_per_worker: int) -> list[tuple[int, ...]]:
     """Consecutive cores per worker; wraps around (shares cores) when there are too few."""
-    cores = available_cores()
-    out = []
-    for i in range(num_workers):
-        start = i * cores_per_worker
-        out.append(tuple(cores[(start + j) % len(cores)] for j in range(cores_per_worker)))
-    return out
+    return core_sets(num_workers, cores_per_worker, available_cores())
+
+
+def core_sets(num_workers: int, cores_per_worker: int, cores: Sequence[int]) -> list[tuple[int, ...]]:
+    """``assign_cores`` on a given list of cores (the simulator places its instances so)."""
+    return [tuple(cores[(i * cores_per_worker + j) % len(cores)] for j in range(cores_per_worker))
+            for i in range(num_workers)]
 
 
 def spawn_worker(

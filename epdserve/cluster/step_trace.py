@@ -35,7 +35,8 @@ class StepTrace:
         os.makedirs(directory, exist_ok=True)
         self.path = Path(directory) / (f"{worker_id}.jsonl" if segment == 0 else f"{worker_id}.{segment}.jsonl")
         self._file: TextIO = open(self.path, "w", encoding="utf-8", buffering=1)  # noqa: SIM115 (open for the worker's life; line-buffered: readable while serving)
-        header = {"worker_id": worker_id, "role": role, "num_threads": num_threads, "pid": os.getpid()}
+        header = {"worker_id": worker_id, "role": role, "num_threads": num_threads, "pid": os.getpid(),
+                  "cores": sorted(os.sched_getaffinity(0))}  # the worker's cores: calibrate sees who shares them
         self._file.write(json.dumps(header) + "\n")
 
     @contextlib.contextmanager

@@ -14,6 +14,12 @@ next to another such step than a prefill does. The result is a profile like any 
 simulator adds by the share of an instance's neighbours that are mid-step, and a
 ``calibration`` record of the factors and what they were measured on.
 
+Workers pinned to the same core time-share it (serve wraps around when a host has fewer cores
+than workers, e.g. an encoder beside a decode worker on two cores): a step during which k others
+on its cores were mid-step is divided by 1 + k (by their busy share) before the fit, and only the
+workers on other cores count as neighbours; ``simulate --cores-per-host`` puts the time-sharing
+back. Traces name their worker's cores in the header (older ones do not: no sharing is seen).
+
 The factors belong to the packing they were measured on (which roles shared the host, at what
 load); calibrate on the deployment the simulation is about.
 """
@@ -72,6 +78,10 @@ class WorkerTrace:
     shapes: list[StepShape]
     cpus: np.ndarray | None = None  # the worker's CPU time per step (s); None in traces without it
     num_threads: int = 1
+    cores: frozenset[int] | None = None  # the cores it ran on (None: traces without them)
+
+    def shares_cores_with(self, other: WorkerTrace) -> bool:
+        return self.cores is not None and other.cores is not None and bool(self.cores & other.cores)
 
 
 def read_step_trace(path: Path) -> WorkerTrace:
@@ -91,6 +101,7 @@ def read_step_trace(path: Path) -> WorkerTrace:
             [StepShape.from_dict(d) for d in records],
             np.array([float(d["cpu_s"]) for d in records]) if all("cpu_s" in d for d in records) else None,
             int(header.get("num_threads", 1)),
+            frozenset(int(c) for c in header["cores"]) if "cores" in header else None,
         )
     except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as e:
         raise ConfigError(f"{path}: not a step trace ({e})") from None
@@ -118,6 +129,16 @@ def busy_overlap(trace: WorkerTrace, others: list[WorkerTrace]) -> np.ndarray:
 
         total += (busy_before(ends) - busy_before(trace.starts)) / np.maximum(trace.walls, 1e-9)
     return np.clip(total / len(others), 0.0, 1.0)
+
+
+def neighbour_split(trace: WorkerTrace, traces: list[WorkerTrace]) -> tuple[np.ndarray, np.ndarray]:
+    """Per step of ``trace``: how many workers ran on its cores on average (1 + the summed busy
+    shares of the others on one of its cores: time-sharing stretches the step by that), and the
+    busy share of the host's other workers (``busy_overlap``: the neighbour term's weight)."""
+    others = [t for t in traces if t is not trace]
+    sharers = [t for t in others if trace.shares_cores_with(t)]
+    sharing = 1.0 + busy_overlap(trace, sharers) * len(sharers)
+    return sharing, busy_overlap(trace, [t for t in others if t not in sharers])
 
 
 def step_parts(step: StepCost, shapes: list[StepShape]) -> np.ndarray:
@@ -180,8 +201,10 @@ def calibrate(cost: CostModel, trace_dir: Path, since: float | None = None,
         if trace.cpus is not None and trace.num_threads == 1:
             cpu.setdefault(trace.role, []).append((float(trace.cpus[keep].sum()), float(trace.walls[keep].sum())))
         parts = step_parts(cost.role(trace.role).step, [s for s, k in zip(trace.shapes, keep) if k])
-        overlap = busy_overlap(trace, [t for t in traces if t is not trace])[keep]
-        by_role.setdefault(trace.role, []).append((trace.walls[keep], parts, overlap))
+        sharing, overlap = neighbour_split(trace, traces)
+        # A step's time on a core it had to itself: what the simulator stretches again when it
+        # places instances on shared cores (simulate --cores-per-host).
+        by_role.setdefault(trace.role, []).append((trace.walls[keep] / sharing[keep], parts, overlap[keep]))
     result = {}
     for role, groups in by_role.items():
         walls, parts, overlap = (np.concatenate(g) for g in zip(*groups))

@@ -81,6 +81,11 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
     c.add_argument("--instances-per-host", type=int, default=1,
                    help="instances sharing a host, in topology order; a calibrated profile's neighbour slowdown "
                         "applies among them")
+    c.add_argument("--cores-per-host", type=int, default=0,
+                   help="each host's cores, taken by its instances as serve pins workers (--cores-per-worker each, "
+                        "consecutive, wrapping); an instance's step while k others on one of its cores are mid-step "
+                        "takes (1 + k)x (default 0: no instance shares a core)")
+    c.add_argument("--cores-per-worker", type=int, default=1, help="with --cores-per-host: cores per instance")
 
 
 def add_simulate_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -170,6 +175,8 @@ def sim_config_kwargs(ns: argparse.Namespace) -> dict:
         "encode_max_batch_images": ns.encode_batch_images,
         "is_fast_forward": not ns.no_fast_forward,
         "instances_per_host": ns.instances_per_host,
+        "cores_per_host": ns.cores_per_host,
+        "cores_per_worker": ns.cores_per_worker,
         "routing": ns.routing,
         "routing_ttft_slo_s": ns.routing_ttft_slo,
         "class_mix": parse_class_mix(ns.class_mix),

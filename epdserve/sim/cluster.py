@@ -245,6 +245,8 @@ class ClusterSim(SimLoop):
             busy = sum(1 for o in inst.neighbours if o.is_busy) / len(inst.neighbours)
             if busy:
                 step_s += busy * inst.neighbour_step.time_s(shape)
+        if inst.sharers:  # its core time-shared with those mid-step
+            step_s *= 1 + sum(1 for o in inst.sharers if o.is_busy)
         if shape.num_prefill_tokens:
             flights = self.flights
             for entry in out.scheduled:
@@ -458,6 +460,8 @@ class ClusterSim(SimLoop):
         num = min(len(enc.queue), enc.max_batch_images)
         enc.batch = [enc.queue.popleft() for _ in range(num)]
         step_s = enc.cost.time_s(num * self.workload.tiles_per_image)
+        if enc.sharers:
+            step_s *= 1 + sum(1 for o in enc.sharers if o.is_busy)
         enc.is_busy = True
         enc.num_steps += 1
         enc.busy_s += step_s

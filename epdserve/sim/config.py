@@ -36,6 +36,11 @@ class SimConfig:
     # Instances share hosts in creation order (encode, prefill, decode / colocated), this many
     # per host; a role's ``neighbour_step`` applies to the others on its host.
     instances_per_host: int = 1
+    # Each host's cores (0: no instance shares one). Instances take them as serve pins its
+    # workers (consecutive, wrapping: cluster/local.py core_sets, ``cores_per_worker`` each); a step
+    # of an instance while k others on one of its cores are mid-step takes (1 + k) times as long.
+    cores_per_host: int = 0
+    cores_per_worker: int = 1
     routing: str = DEFAULT_ROUTING  # the router's policy (WorkerRegistry.pick, which checks it)
     routing_ttft_slo_s: float | None = None  # prefix-aware's TTFT SLO (as serve --routing-ttft-slo)
     # KV tiers below each instance's pool, per host (as serve --kv-host-tier-gib, --kv-disk-tier-gib;
@@ -72,6 +77,8 @@ class SimConfig:
             (self.max_model_len is None or self.max_model_len >= 2, "max_model_len must be >= 2"),
             (self.max_detail_requests >= 0, "max_detail_requests must be >= 0"),
             (self.instances_per_host >= 1, f"instances per host must be >= 1, got {self.instances_per_host}"),
+            (self.cores_per_host >= 0 and self.cores_per_worker >= 1,
+             f"cores per host must be >= 0 and per worker >= 1, got {self.cores_per_host}, {self.cores_per_worker}"),
             (self.kv_host_tier_gib >= 0 and self.kv_disk_tier_gib >= 0, "KV tier sizes must be >= 0 GiB"),
             (not self.has_kv_tiers or self.enable_prefix_caching, "the KV tiers below the pool need prefix caching"),
             (all(t in ("host", "disk") and v > 0 for t, v in self.kv_tier_bytes_per_s.items()),

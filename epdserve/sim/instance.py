@@ -109,7 +109,8 @@ class StepInstance:
             self.scheduler.prefix_loader = self.loader
         self.step_cost: StepCost = profile.step
         self.neighbour_step: StepCost | None = profile.neighbour_step
-        self.neighbours: list = []  # the other instances on its host (set by the cluster)
+        self.neighbours: list = []  # the other instances on its host, on other cores (set by the cluster)
+        self.sharers: list = []  # the instances on one of its cores (set by the cluster)
         self.link = link  # prefill: where its KV leaves
         self.reserve_queue: ReservationQueue = ReservationQueue()  # decode: flights waiting for room
         self.worker = WorkerInfo(m.Register(
@@ -149,7 +150,8 @@ class EncodeInstance:
         self.worker = WorkerInfo(m.Register(worker_id, "encode", pid=0, host="sim", model_name=model_name,
                                             max_model_len=0, num_kv_blocks=0, block_size=0))
         self.neighbour_step = None  # encoder steps are not calibrated
-        self.neighbours: list = []  # the other instances on its host (set by the cluster)
+        self.neighbours: list = []  # the other instances on its host, on other cores (set by the cluster)
+        self.sharers: list = []  # the instances on one of its cores (set by the cluster)
         self.is_busy = False
         self.num_steps = 0
         self.busy_s = 0.0

@@ -23,6 +23,7 @@ from time import perf_counter
 
 import numpy as np
 
+from epdserve.cluster.local import core_sets
 from epdserve.errors import ConfigError
 from epdserve.router.workers import PromptBlocks, WorkerRegistry
 from epdserve.sampling import SamplingParams
@@ -80,7 +81,7 @@ class SimLoop:
         # A step's time then depends on the other instances' state, which a fast-forwarded
         # stretch cannot see: step every step.
         self.is_fast_forward = config.is_fast_forward and not any(
-            inst.neighbour_step is not None and inst.neighbours for inst in self.instances)
+            (inst.neighbour_step is not None and inst.neighbours) or inst.sharers for inst in self.instances)
         self.recorder = Recorder(len(workload), config.max_detail_requests, watch)
         self.watch = watch
         self.is_aborted = False
@@ -95,9 +96,18 @@ class SimLoop:
         self.class_ids = self._draw_classes()  # per request, an index into SERVICE_CLASSES
 
     def _set_neighbours(self, inst: StepInstance | EncodeInstance) -> None:
-        per_host = self.config.instances_per_host
+        """The other instances on its host: those on one of its cores (``sharers``, with
+        ``cores_per_host``) and the rest (``neighbours``, the calibrated neighbour term's)."""
+        config = self.config
+        per_host = config.instances_per_host
         host = inst.index // per_host
-        inst.neighbours = [o for o in self.instances if o is not inst and o.index // per_host == host]
+        on_host = [o for o in self.instances if o is not inst and o.index // per_host == host]
+        inst.sharers = []
+        if config.cores_per_host:
+            cores = core_sets(per_host, config.cores_per_worker, range(config.cores_per_host))
+            mine = set(cores[inst.index % per_host])
+            inst.sharers = [o for o in on_host if mine.intersection(cores[o.index % per_host])]
+        inst.neighbours = [o for o in on_host if o not in inst.sharers]
 
     def _add_instance(self, role: str, worker_id: str) -> None:
         inst = self._make_instance(role, worker_id, len(self.instances))

@@ -334,6 +334,7 @@ def test_workers_trace_their_steps_and_calibrate_reads_them(pd_shm):
     for path in pd_shm.step_trace_dir.glob("*.jsonl"):
         trace = read_step_trace(path)
         traces[trace.role] = list(zip(trace.shapes, trace.walls.tolist()))
+        assert trace.cores  # the header names the worker's cores (calibrate: who time-shares them)
     assert set(traces) == {"prefill", "decode"}
     assert any(s.num_prefill_tokens == num_prompt and s.num_decode_seqs == 0 for s, _ in traces["prefill"])
     assert traces["decode"] and all(s.num_prefill_tokens == 0 and s.num_decode_seqs >= 1 for s, _ in traces["decode"])

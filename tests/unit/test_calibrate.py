@@ -129,6 +129,23 @@ def test_encoder_batches_count_as_a_busy_neighbour(tmp_path):
     role = calibrated.role("decode")
     assert role.step.time_s(shape) == pytest.approx(pred, rel=1e-2)
     assert role.step.time_s(shape) + role.neighbour_step.time_s(shape) == pytest.approx(2.0 * pred, rel=1e-2)
+    # The headers name the cores, and the two share core 0: the doubled steps are time-sharing,
+    # taken out before the fit (the simulator puts it back with --cores-per-host); no neighbour term.
+    for name in ("decode-0", "encode-0"):
+        path = tmp_path / f"{name}.jsonl"
+        lines = path.read_text().splitlines()
+        lines[0] = json.dumps({**json.loads(lines[0]), "cores": [0]})
+        path.write_text("\n".join(lines) + "\n")
+    calibrated, result = calibrate(cost, tmp_path)
+    role = calibrated.role("decode")
+    assert role.step.time_s(shape) == pytest.approx(pred, rel=1e-2) and role.neighbour_step is None
+    # On cores of their own: a neighbour again.
+    path = tmp_path / "encode-0.jsonl"
+    lines = path.read_text().splitlines()
+    lines[0] = json.dumps({**json.loads(lines[0]), "cores": [1]})
+    path.write_text("\n".join(lines) + "\n")
+    role = calibrate(cost, tmp_path)[0].role("decode")
+    assert role.step.time_s(shape) + role.neighbour_step.time_s(shape) == pytest.approx(2.0 * pred, rel=1e-2)
 
 
 @pytest.mark.parametrize("files, message", [

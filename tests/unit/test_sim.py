@@ -180,6 +180,25 @@ def test_pipelined_prefill_starts_before_the_last_image():
     assert piped.ttft[0] < whole.ttft[0]
 
 
+def test_instances_on_one_core_time_share_it():
+    # Two colocated instances, both requests at 0: on two cores each prefill (0.042 s) runs
+    # alone; on one core the second starts while the first is mid-step and takes twice as long.
+    w = fixed_workload([0.0, 0.0], [32, 32], [1, 1])
+    _, apart = run(profile_dict(), "colocated=2", w, instances_per_host=2, cores_per_host=2)
+    assert sorted(apart.ttft) == pytest.approx([0.042, 0.042])
+    sim, shared = run(profile_dict(), "colocated=2", w, instances_per_host=2, cores_per_host=1)
+    assert sorted(shared.ttft) == pytest.approx([0.042, 0.084])
+    assert all(len(i.sharers) == 1 and not i.neighbours for i in sim.instances) and not sim.is_fast_forward
+    # E/P/D on two cores, placed as serve pins workers: the encoder and the decode worker share core 0.
+    sim, _ = run(profile_dict(), "encode=1,prefill=1,decode=1", fixed_workload([0.0], [32], [2], num_images=1,
+                 tiles_per_image=1), instances_per_host=3, cores_per_host=2)
+    by_role = {i.worker.role: i for i in sim.instances}
+    assert by_role["decode"].sharers == [by_role["encode"]] and by_role["prefill"].sharers == []
+    assert set(by_role["prefill"].neighbours) == {by_role["encode"], by_role["decode"]}
+    with pytest.raises(ConfigError, match="cores per host"):
+        run(profile_dict(), "colocated=2", w, cores_per_host=-1)
+
+
 # -- the engine's classes ----------------------------------------------------------------------
 def test_simulator_drives_the_engines_scheduler_and_kv_manager():
     sim, _ = run(profile_dict(), "prefill=1,decode=2", fixed_workload([0.0], [20], [2]))
