@@ -189,7 +189,10 @@ def test_instances_on_one_core_time_share_it():
     sim, shared = run(profile_dict(), "colocated=2", w, instances_per_host=2, cores_per_host=1)
     assert sorted(shared.ttft) == pytest.approx([0.042, 0.084])
     assert all(len(i.sharers) == 1 and not i.neighbours for i in sim.instances) and not sim.is_fast_forward
-    # E/P/D on two cores, placed as serve pins workers: the encoder and the decode worker share core 0.
+    # E/P/D on two cores, placed as serve pins workers (one rule: cluster/local.py core_sets): the
+    # encoder and the decode worker share core 0.
+    from epdserve.cluster.local import core_sets
+    assert core_sets(3, 1, [0, 1]) == [(0,), (1,), (0,)] and core_sets(2, 2, [0, 1, 2]) == [(0, 1), (2, 0)]
     sim, _ = run(profile_dict(), "encode=1,prefill=1,decode=1", fixed_workload([0.0], [32], [2], num_images=1,
                  tiles_per_image=1), instances_per_host=3, cores_per_host=2)
     by_role = {i.worker.role: i for i in sim.instances}
