@@ -141,8 +141,8 @@ def _ladder(*rates: float) -> Scale:
     return Scale(1, 3, 9600, 0.1, rates, 1.0, 1.0, 8, 8, 0.1, 0.1, 256, (32,), 1, rate_multiples=(1.25, 1.5))
 
 
-def test_knee_is_the_last_probed_rate_that_kept_the_share_and_probing_stops_past_it():
-    shares = {1.0: 1.0, 2.0: 0.95, 3.0: 0.6, 4.0: 0.1}
+def test_knee_is_the_highest_rate_that_kept_the_share_and_probing_stops_after_two_misses_in_a_row():
+    shares = {1.0: 1.0, 2.0: 0.95, 3.0: 0.6, 4.0: 0.1, 5.0: 1.0}
     probed = []
 
     def probe(rate: float) -> dict:
@@ -150,15 +150,21 @@ def test_knee_is_the_last_probed_rate_that_kept_the_share_and_probing_stops_past
         return {"request_rate": rate, "request_goodput": rate * shares[rate], "goodput_share": shares[rate],
                 "ttft_p50_ms": 100.0, "ttft_p99_ms": 900.0, "tpot_p99_ms": 50.0}
 
-    knee = find_knee(_ladder(1.0, 2.0, 3.0, 4.0), probe)
-    assert probed == [1.0, 2.0, 3.0]  # 3.0 kept 60 %: no higher rate is tried
-    assert knee["rate"] == 2.0 and not knee["is_below_ladder"] and len(knee["probes"]) == 3
+    knee = find_knee(_ladder(1.0, 2.0, 3.0, 4.0, 5.0), probe)
+    assert probed == [1.0, 2.0, 3.0, 4.0]  # 3.0 and 4.0 missed in a row: 5.0 is not tried
+    assert knee["rate"] == 2.0 and not knee["is_below_ladder"] and len(knee["probes"]) == 4
     text = "\n".join(knee_lines({"knee": knee}))
-    assert "the knee, the last rate before, is 2.00 req/s" in text and "1.25, 1.5 × the knee" in text
-    assert "60 %" in text and "95 %" in text  # every probe's share is listed
-    # Even the first rate misses: the knee is that rate, said so.
+    assert "until 2 in a row kept fewer than 90 %" in text and "the knee, the highest rate that kept them, is 2.00" in text
+    assert "1.25, 1.5 × the knee" in text and "60 %" in text and "95 %" in text  # every probe listed
+    # One miss between passes does not end the probe: the knee is the higher pass.
+    shares.update({3.0: 0.8, 4.0: 0.95})
     probed.clear()
-    knee = find_knee(_ladder(3.0, 4.0), probe)
-    assert probed == [3.0] and knee["rate"] == 3.0 and knee["is_below_ladder"]
+    knee = find_knee(_ladder(1.0, 2.0, 3.0, 4.0, 5.0), probe)
+    assert knee["rate"] == 5.0 and probed == [1.0, 2.0, 3.0, 4.0, 5.0]
+    # No rate keeps the share: the knee is the first rate, said so.
+    shares.update({3.0: 0.5, 4.0: 0.4})
+    probed.clear()
+    knee = find_knee(_ladder(3.0, 4.0, 5.0), probe)
+    assert probed == [3.0, 4.0] and knee["rate"] == 3.0 and knee["is_below_ladder"]
     assert "below the ladder" in "\n".join(knee_lines({"knee": knee}))
     assert knee_lines({}) == []

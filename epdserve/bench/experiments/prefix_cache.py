@@ -21,9 +21,9 @@ SLO whatever the routing (TPOT P50 105-174 ms at 1.62-3.24 req/s against the 100
 decode alone on one core and the prefill workers held to half of the other each, it was
 prefill-bound (TTFT P50 3.0-9.2 s at 3.24-5.93 req/s, 3-19 % within the SLO in every arm), so the
 cache could not show in either.
-The rates: the baseline (least-prefill, no tiers) is replayed first at rising rates until
-fewer than 90 % of its requests meet the SLO; the last rate before is its knee, and every arm
-runs at multiples of it (below the knee no arm can reach 1.5x the baseline's goodput).
+The rates: the baseline (least-prefill, no tiers) is replayed first at rising rates until two
+in a row keep fewer than 90 % of its requests within the SLO; the highest rate that kept them is
+its knee, and every arm runs at multiples of it (below the knee no arm can reach 1.5x the baseline's goodput).
 Every arm at every rate runs ``rounds`` times (two at full scale; this host's speed moves
 within minutes, and one run near the knee can differ from the next by a third), the arms'
 order rotated each round; the tables hold the rounds' means and the goals each round's own
@@ -118,18 +118,19 @@ class Scale:
     rounds: int = 1  # every arm at every rate this many times, on fresh servers, arms rotated per round
     rate_multiples: tuple[float, ...] = (1.0,)  # the rates every arm runs at, as multiples of the knee
     knee_share: float = 0.9  # the knee: the highest probed rate at which this share of requests meets the SLO
+    knee_misses: int = 2  # probing stops after this many rates in a row below knee_share
 
 
 # Rates: a knee probe of the baseline (``find_knee``) on a ladder from 1.6 req/s up by 1.2x, the
-# arms at 1.25, 1.5 and 1.75x the knee (fixed rates tuned on one day's host were all past the
+# arms at 1.15, 1.3 and 1.5x the knee (fixed rates tuned on one day's host were all past the
 # knee on a slower day). The decode worker's pool is small for the trace (512 blocks, about 20
 # conversations' contexts): the memory-pressed regime the tiers are for; with 2048 blocks the
 # decode worker's own prefix cache, pulled from by the prefill worker, served 69 % of prompt
 # tokens without tiers and the tiers added 5 %. TPOT SLO 200 ms: five times a one-sequence decode
 # step (38-40 ms in the decode worker's step trace here; sim_fidelity's rule): a burst of the
 # trace puts 20-30 sequences on the decode worker's one core, 75-105 ms a step, in every arm.
-FULL = Scale(32, 4, 9600, 0.1, (1.6, 1.9, 2.3, 2.8, 3.3, 4.0), 1000.0, 200.0, 128, 512, 0.25, 1.0, 2048,
-             (32, 64, 128, 256, 512, 1024, 1536), 3, rounds=2, rate_multiples=(1.25, 1.5, 1.75))
+FULL = Scale(32, 4, 9600, 0.1, (1.6, 1.9, 2.3, 2.8, 3.3, 4.0, 4.8), 1000.0, 200.0, 128, 512, 0.25, 1.0, 2048,
+             (32, 64, 128, 256, 512, 1024, 1536), 3, rounds=2, rate_multiples=(1.15, 1.3, 1.5))
 QUICK = Scale(3, 4, 9600, 0.05, (0.8,), 20000.0, 2000.0, 64, 128, 0.1, 0.2, 1024, (32, 128), 1)
 
 
@@ -285,19 +286,25 @@ def run_trace_arm(topology: str, arm: str, durations: tuple[float, ...], subset:
 
 def find_knee(scale: Scale, probe: Callable[[float], dict]) -> dict:
     """The baseline's knee: ``probe(rate)`` (least-prefill without tiers replayed at that rate)
-    at each rate of the ladder, lowest first, until fewer than ``knee_share`` of its requests
-    meet the SLO; the knee is the last rate before (the ladder's first when even that one misses:
-    ``is_below_ladder``). Below the knee no arm can have 1.5x the baseline's goodput (it already
-    serves nearly every request in time), so the arms run past it, at ``rate_multiples`` of it."""
-    probes, knee = [], None
+    at each rate of the ladder, lowest first, until ``knee_misses`` probes in a row keep fewer
+    than ``knee_share`` of its requests within the SLO; the knee is the highest probed rate that
+    kept them (the ladder's first when none did: ``is_below_ladder``). One run near the knee can
+    miss where the next rate up does not (a burst that fills the decode worker's pool queues every
+    reservation behind it), so one miss does not end the probe. Below the knee no arm can have
+    1.5x the baseline's goodput (it already serves nearly every request in time), so the arms run
+    past it, at ``rate_multiples`` of it."""
+    probes, knee, misses = [], None, 0
     for rate in scale.probe_rates:
         level = probe(rate)
         probes.append(level)
-        if level["goodput_share"] < scale.knee_share:
+        if level["goodput_share"] >= scale.knee_share:
+            knee, misses = rate, 0
+            continue
+        misses += 1
+        if misses >= scale.knee_misses:
             break
-        knee = rate
     return {"probes": probes, "rate": scale.probe_rates[0] if knee is None else knee, "is_below_ladder": knee is None,
-            "share": scale.knee_share, "rate_multiples": list(scale.rate_multiples)}
+            "share": scale.knee_share, "misses": scale.knee_misses, "rate_multiples": list(scale.rate_multiples)}
 
 
 def merge_rounds(rounds: list[dict[str, list[dict]]]) -> dict[str, list[dict]]:

@@ -99,11 +99,14 @@ def knee_lines(results: dict) -> list[str]:
         return []
     rows = [[lv["request_rate"], lv["request_goodput"], pct(lv["goodput_share"]), lv["ttft_p50_ms"],
              lv["ttft_p99_ms"], lv["tpot_p99_ms"]] for lv in knee["probes"]]
-    where = (f"below the ladder: even its first rate, {knee['rate']:.2f} req/s, kept fewer, and the arms run at "
-             "multiples of that" if knee["is_below_ladder"] else f"{knee['rate']:.2f} req/s")
+    where = (f"below the ladder: no rate kept them, and the arms run at multiples of its first, {knee['rate']:.2f} "
+             "req/s" if knee["is_below_ladder"] else f"{knee['rate']:.2f} req/s")
     multiples = ", ".join(f"{m:g}" for m in knee["rate_multiples"])
-    return [f"Rates: {BASELINE} without tiers replayed at rising rates until fewer than {pct(knee['share'])} of its "
-            f"requests met the SLO (one run each); the knee, the last rate before, is {where}. Every arm runs "
+    misses = knee.get("misses", 1)
+    until = "one" if misses == 1 else f"{misses} in a row"
+    return [f"Rates: {BASELINE} without tiers replayed at rising rates until {until} kept fewer than "
+            f"{pct(knee['share'])} of its requests within the SLO (one run each); the knee, the highest rate that "
+            f"kept them, is {where}. Every arm runs "
             f"at {multiples} × the knee (at or below it no arm can have {GOAL_GOODPUT_RATIO:g}× the baseline's goodput).",
             "", markdown_table(["rate (req/s)", "goodput (req/s)", "within SLO", "TTFT P50 (ms)", "TTFT P99 (ms)",
                                 "TPOT P99 (ms)"], rows), ""]
