@@ -138,7 +138,7 @@ def neighbour_split(trace: WorkerTrace, traces: list[WorkerTrace]) -> tuple[np.n
     others = [t for t in traces if t is not trace]
     sharers = [t for t in others if trace.shares_cores_with(t)]
     sharing = 1.0 + busy_overlap(trace, sharers) * len(sharers)
-    return sharing, busy_overlap(trace, [t for t in others if t not in sharers])
+    return sharing, busy_overlap(trace, [t for t in others if not trace.shares_cores_with(t)])
 
 
 def step_parts(step: StepCost, shapes: list[StepShape]) -> np.ndarray:

@@ -139,6 +139,24 @@ def test_encoder_batches_count_as_a_busy_neighbour(tmp_path):
     calibrated, result = calibrate(cost, tmp_path)
     role = calibrated.role("decode")
     assert role.step.time_s(shape) == pytest.approx(pred, rel=1e-2) and role.neighbour_step is None
+    # A third worker on core 1, idle while decode steps (its steps come after): a neighbour, not a sharer.
+    prefill = StepShape(64, 64 * 65 // 2, 0, 0)
+    write_trace(tmp_path, "prefill-0", "prefill", [(prefill, 1.1 * cost.role("prefill").step.time_s(prefill))] * 12,
+                t0=t + 1.0)
+    path = tmp_path / "prefill-0.jsonl"
+    lines = path.read_text().splitlines()
+    lines[0] = json.dumps({**json.loads(lines[0]), "cores": [1]})
+    path.write_text("\n".join(lines) + "\n")
+    # And the same encoder's trace of a later round (merged directories hold one per round, the
+    # same worker id): traces are told apart by identity, not by their contents.
+    later = [json.dumps({"t": t + 100.0 + k, "wall_s": 0.5, "num_images": 1}) for k in range(3)]
+    (tmp_path / "r2_encode-0.jsonl").write_text("\n".join(
+        [json.dumps({"worker_id": "encode-0", "role": "encode", "num_threads": 1, "cores": [0]}), *later]) + "\n")
+    calibrated, result = calibrate(cost, tmp_path)
+    assert set(result) == {"decode", "prefill"}
+    assert calibrated.role("decode").step.time_s(shape) == pytest.approx(pred, rel=1e-2)
+    path.unlink()
+    (tmp_path / "r2_encode-0.jsonl").unlink()
     # On cores of their own: a neighbour again.
     path = tmp_path / "encode-0.jsonl"
     lines = path.read_text().splitlines()
