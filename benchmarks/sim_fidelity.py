@@ -77,6 +77,7 @@ from typing import NamedTuple
 import numpy as np
 
 from epdserve.bench.experiments.launch import list_workers, start_server, stop_server
+from epdserve.cluster.local import available_cores
 from epdserve.bench.experiments.report import (
     cpu_busy_share,
     machine_summary,
@@ -372,7 +373,7 @@ def simulate(profile: Path, topology: str, workload: list[str], slo: Slo, out: P
     num_workers = parse_topology(topology).num_instances
     run_logged(epdserve("simulate", "--profile", str(profile), "--topology", topology, *workload,
                         *slo.goodput_args(), "--max-model-len", str(MAX_MODEL_LEN),
-                        "--instances-per-host", str(num_workers), "--cores-per-host", str(len(os.sched_getaffinity(0))),
+                        "--instances-per-host", str(num_workers), "--cores-per-host", str(len(available_cores())),
                         "--out", str(out), "--quiet"), log)
     return json.loads(out.read_text())
 
@@ -867,12 +868,7 @@ def judge_runs(states: dict[str, TopologyState], loads: dict[str, list[Workload]
             for run, real in zip(runs, reals):
                 write_trace(real, out_dir / f"trace_{run.tag}.jsonl", num_image_tokens)
             for key, path in profiles.items():
-                suffix = {"sim": "", "sim_stretch": "_stretch", "sim_offline": "_offline"}[key]
-                sims = [simulate(path, topology, ["--workload", "trace", str(out_dir / f"trace_{run.tag}.jsonl"),
-                                                  *images], slo, out_dir / f"sim{suffix}_{run.tag}.json", log)
-                        for run in runs]
-                cell[f"{key}_runs"] = [score(s, slo) for s in sims]
-                cell[key] = summarize_cell(real_runs, cell[f"{key}_runs"])
+                replay_cell(cell, key, path, images, out_dir, "sim", log)
             ratios: dict[str, dict] = {}
             for k, trace_dir in enumerate(state.trace_dirs):
                 windows = [r.window for r in runs if r.round_index == k]
@@ -885,6 +881,20 @@ def judge_runs(states: dict[str, TopologyState], loads: dict[str, list[Workload]
                                    for role, kinds in ratios.items()}
             cells.append(cell)
     return cells
+
+
+PROFILE_SUFFIXES = {"sim": "", "sim_stretch": "_stretch", "sim_offline": "_offline"}  # in replay file names
+
+
+def replay_cell(cell: dict, key: str, profile: Path, images: list[str], out_dir: Path, prefix: str,
+                log: list[str]) -> None:
+    """Each real run of ``cell`` (its replay trace, trace_<tag>.jsonl) simulated on ``profile``:
+    the runs' scores in ``cell[key + "_runs"]`` and the judged summary in ``cell[key]``."""
+    slo = Slo(*cell["slo"])
+    sims = [simulate(profile, cell["topology"], ["--workload", "trace", str(out_dir / f"trace_{tag}.jsonl"), *images],
+                     slo, out_dir / f"{prefix}{PROFILE_SUFFIXES[key]}_{tag}.json", log) for tag in cell["tags"]]
+    cell[f"{key}_runs"] = [score(sim, slo) for sim in sims]
+    cell[key] = summarize_cell(cell["real_runs"], cell[f"{key}_runs"])
 
 
 def _pool_ratios(parts: list[dict]) -> dict:
@@ -907,14 +917,8 @@ def rejudge(out_dir: Path) -> str:
     for cell in cells:
         topology = cell["topology"]
         workload = next(w for w in workloads(scale, topology, results["with_azure"]) if w.name == cell["workload"])
-        slo = Slo(*cell["slo"])
         for key, path in cell["profiles"].items():
-            suffix = {"sim": "", "sim_stretch": "_stretch", "sim_offline": "_offline"}[key]
-            sims = [simulate(Path(path), topology, ["--workload", "trace", str(out_dir / f"trace_{tag}.jsonl"),
-                                                    *workload.sim_image_args()],
-                             slo, out_dir / f"rejudged{suffix}_{tag}.json", log) for tag in cell["tags"]]
-            cell[f"{key}_runs"] = [score(sim, slo) for sim in sims]
-            cell[key] = summarize_cell(cell["real_runs"], cell[f"{key}_runs"])
+            replay_cell(cell, key, Path(path), workload.sim_image_args(), out_dir, "rejudged", log)
     judgements = {key: judge(cells, key) for key in PROFILE_KEYS if all(key in c for c in cells)}
     results.update(cells=cells, judgements=judgements, rejudged_commands=log)
     (out_dir / "results_rejudged.json").write_text(json.dumps(results, indent=2, default=str) + "\n", encoding="utf-8")

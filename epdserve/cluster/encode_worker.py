@@ -13,6 +13,7 @@ slab region.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections import deque
@@ -153,12 +154,8 @@ class EncodeWorker(WorkerBase):
         batch = [self.queue.popleft() for _ in range(min(self.opts.max_batch_images, len(self.queue)))]
         self._num_busy = len(batch)
         try:
-            jobs = [EncodeJob(job.content_hash, job.data) for job in batch]
-            if self._step_trace is None:
-                results = self.runner.run(jobs)
-            else:
-                with self._step_trace.batch(len(jobs)):
-                    results = self.runner.run(jobs)
+            with self._step_trace.batch(len(batch)) if self._step_trace else contextlib.nullcontext():
+                results = self.runner.run([EncodeJob(job.content_hash, job.data) for job in batch])
         except Exception as e:  # past the runner's own per-image isolation: the batch fails
             if is_fatal(e):
                 raise

@@ -135,10 +135,12 @@ def neighbour_split(trace: WorkerTrace, traces: list[WorkerTrace]) -> tuple[np.n
     """Per step of ``trace``: how many workers ran on its cores on average (1 + the summed busy
     shares of the others on one of its cores: time-sharing stretches the step by that), and the
     busy share of the host's other workers (``busy_overlap``: the neighbour term's weight)."""
-    others = [t for t in traces if t is not trace]
-    sharers = [t for t in others if trace.shares_cores_with(t)]
-    sharing = 1.0 + busy_overlap(trace, sharers) * len(sharers)
-    return sharing, busy_overlap(trace, [t for t in others if not trace.shares_cores_with(t)])
+    sharers: list[WorkerTrace] = []
+    neighbours: list[WorkerTrace] = []
+    for other in traces:
+        if other is not trace:
+            (sharers if trace.shares_cores_with(other) else neighbours).append(other)
+    return 1.0 + busy_overlap(trace, sharers) * len(sharers), busy_overlap(trace, neighbours)
 
 
 def step_parts(step: StepCost, shapes: list[StepShape]) -> np.ndarray:

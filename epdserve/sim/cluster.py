@@ -41,6 +41,12 @@ __all__ = ["ClusterSim", "SimConfig"]
 DUMMY_TOKEN_ID = 0
 
 
+def time_shared(inst: StepInstance | EncodeInstance) -> int:
+    """How much longer a step (or encoder batch) starting now takes on a core time-shared with
+    the instances mid-step on it: 1 + their number (judged at its start)."""
+    return 1 + sum(1 for o in inst.sharers if o.is_busy)
+
+
 class ClusterSim(SimLoop):
     """The simulated cluster: ``ClusterSim(cost, config, workload).run()`` replays the workload
     and returns its ``Recorder``."""
@@ -245,8 +251,7 @@ class ClusterSim(SimLoop):
             busy = sum(1 for o in inst.neighbours if o.is_busy) / len(inst.neighbours)
             if busy:
                 step_s += busy * inst.neighbour_step.time_s(shape)
-        if inst.sharers:  # its core time-shared with those mid-step
-            step_s *= 1 + sum(1 for o in inst.sharers if o.is_busy)
+        step_s *= time_shared(inst)
         if shape.num_prefill_tokens:
             flights = self.flights
             for entry in out.scheduled:
@@ -459,9 +464,7 @@ class ClusterSim(SimLoop):
             return
         num = min(len(enc.queue), enc.max_batch_images)
         enc.batch = [enc.queue.popleft() for _ in range(num)]
-        step_s = enc.cost.time_s(num * self.workload.tiles_per_image)
-        if enc.sharers:
-            step_s *= 1 + sum(1 for o in enc.sharers if o.is_busy)
+        step_s = enc.cost.time_s(num * self.workload.tiles_per_image) * time_shared(enc)
         enc.is_busy = True
         enc.num_steps += 1
         enc.busy_s += step_s
