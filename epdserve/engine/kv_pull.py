@@ -33,6 +33,7 @@ from epdserve.engine.reload_rule import (
     PRIOR_SHM_BYTES_PER_S,
     PrefillRate,
     PrefixCost,
+    pull_span,
 )
 from epdserve.request import Request
 from epdserve.transfer.connector import KVPusher, ShmLink
@@ -99,14 +100,15 @@ class PeerPuller:
         when the rule says copying beats computing; None otherwise."""
         if request.kv_target is None or not request.kv_target_block_ids:
             return None
+        span = pull_span(num_cached_tokens, request.kv_target_num_cached, len(request.kv_target_block_ids[0]),
+                         self.block_size)
+        if span is None:
+            return None
         link = self._link(request.kv_target)
         if link is None:
             return None
-        first = num_cached_tokens // self.block_size
-        last = request.kv_target_num_cached // self.block_size
+        first, last = span
         table = request.kv_target_block_ids[0]
-        if last <= first or last >= len(table):
-            return None
         bytes_per_s = PRIOR_SHM_BYTES_PER_S
         if link.seconds_sending >= MIN_MEASURED_SEND_S:
             bytes_per_s = link.num_bytes_sent / link.seconds_sending

@@ -101,6 +101,20 @@ def max_cached_blocks(num_prompt_tokens: int, block_size: int) -> int:
     return (num_prompt_tokens - 1) // block_size if num_prompt_tokens > 0 else 0
 
 
+def pull_span(num_cached_tokens: int, num_target_cached_tokens: int, num_target_blocks: int,
+              block_size: int) -> tuple[int, int] | None:
+    """The blocks a prefill worker may copy from its decode worker's pages instead of computing
+    them (``engine/kv_pull.py``; the simulator's prefill instances take the same span): (first,
+    last) block indices, from the end of its own pool hit of ``num_cached_tokens`` to the end of
+    the ``num_target_cached_tokens`` the reservation (``num_target_blocks`` blocks) found cached
+    on decode; None when decode holds no more whole blocks."""
+    first = num_cached_tokens // block_size
+    last = num_target_cached_tokens // block_size
+    if last <= first or last >= num_target_blocks:
+        return None
+    return first, last
+
+
 def _check_seconds(name: str, value: Any) -> None:
     is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
     if not (is_number and math.isfinite(value) and value >= 0):

@@ -7,9 +7,12 @@ The router is the real one's rules: ``WorkerRegistry.pick`` on heartbeat-reporte
 ``max_pending`` and per-worker queue limits (429), decode reservation refusal (503); a full
 decode instance queues reservations (by service class and priority, then arrival) for up to
 ``decode_queue_timeout_s``, granted at its step ends as the decode worker does.
-P/D: reserve on decode, prefill with ``hold_kv_for_transfer``; the first token leaves at
-prefill end; KV goes layer by layer over the prefill instance's link; decode starts
-(``add_prefilled``) when the last layer is out, and prefill frees its blocks then.
+P/D: reserve on decode, naming the prompt's blocks by key (decode takes the ones its prefix
+cache holds), prefill with ``hold_kv_for_transfer``, copying from decode's pages what decode
+holds beyond its own pool hit when that beats computing it (``peer_pull.py``); the first token
+leaves at prefill end; KV goes layer by layer over the prefill instance's link, only the blocks
+decode lacks; decode starts (``add_prefilled``) when the last layer is out, and prefill frees
+its blocks then.
 E/P/D: each image is encoded on a picked encoder, batched by image, and its embedding sent
 over that encoder's link; the prefill scheduler computes what is ready (``MMInput``).
 A request's moments go on its ``Flight`` and its engine ``Request`` by ``EventType``.
@@ -18,7 +21,7 @@ A request's moments go on its ``Flight`` and its engine ``Request`` by ``EventTy
 from __future__ import annotations
 
 from epdserve.engine.step_shape import StepShape
-from epdserve.request import EventType, MMInput, Request
+from epdserve.request import EventType, MMInput, Request, hash_prompt_ids
 from epdserve.router.admission import (
     Rejection,
     check_pending,
@@ -80,7 +83,12 @@ class ClusterSim(SimLoop):
         if self.num_image_tokens:
             images = [DUMMY_TOKEN_ID] * self.num_image_tokens
             prompt = prompt + images if config.images_after_text else images + prompt
-        prompt_blocks = PromptBlocks(prompt) if self.is_prefix_aware else None
+        prompt_blocks = None
+        if self.is_prefix_aware or (self.is_split and config.enable_prefix_caching):
+            # The router names the prompt's blocks (images by their content) for prefix-aware
+            # routing and for the decode worker's reservation.
+            spans = self._image_spans(index, num_prompt)
+            prompt_blocks = PromptBlocks(hash_prompt_ids(prompt, spans) if spans else prompt)
         service_class = SERVICE_CLASSES[self.class_ids[index]]
         key = schedule_key(service_class)
         predicted = None
@@ -106,9 +114,9 @@ class ClusterSim(SimLoop):
         if self.is_split:
             if not first.kv_cache.can_ever_hold_prompt(num_prompt):
                 return self._reject(index, num_prompt, reservation_refused(f"no room for {num_prompt + 1} tokens"))
-            def try_reserve(_: str, __: Flight) -> bool:
+            def try_reserve(_: str, flight: Flight) -> bool:
                 nonlocal blocks, answer_at
-                blocks, answer_at = self._reserve(first, rid, num_prompt)
+                blocks, answer_at = self._reserve(first, flight)
                 return blocks is not None
 
             if not first.reserve_queue.offer(rid, flight, config.decode_queue_timeout_s, now, try_reserve,
@@ -135,7 +143,18 @@ class ClusterSim(SimLoop):
         else:
             self._submit(flight, blocks)
 
-    def _reserve(self, inst: StepInstance, rid: str, num_prompt: int) -> tuple[list[list[int]] | None, float | None]:
+    def _reserve_blocks(self, inst: StepInstance, flight: Flight) -> list[list[int]] | None:
+        """``Scheduler.reserve`` on the decode instance with the prompt's block keys (the
+        leading ones its prefix cache holds are taken from it: ``flight.num_decode_cached``)."""
+        hashes = None
+        if flight.prompt_blocks is not None:
+            hashes = flight.prompt_blocks.hashes(inst.kv_cache.block_size)
+        blocks = inst.scheduler.reserve(flight.request_id, flight.num_prompt, hashes)
+        if blocks is not None:
+            flight.num_decode_cached = inst.scheduler.num_reserved_cached(flight.request_id)
+        return blocks
+
+    def _reserve(self, inst: StepInstance, flight: Flight) -> tuple[list[list[int]] | None, float | None]:
         """The decode instance reserves blocks for the prompt and its first token: the blocks
         (None: no room) and when the answer leaves (None: now, the instance is idle).
 
@@ -146,16 +165,16 @@ class ClusterSim(SimLoop):
         against the blocks left after it, as stepping would."""
         stretch = inst.stretch
         if stretch is None:
-            blocks = inst.scheduler.reserve(rid, num_prompt)
+            blocks = self._reserve_blocks(inst, flight)
             return blocks, (inst.busy_until if blocks is not None and inst.is_busy else None)
         kv = inst.kv_cache
-        need = kv.num_blocks_for_prompt(num_prompt)
+        need = kv.num_blocks_for_prompt(flight.num_prompt)
         num_free = kv.num_free_blocks()
         if fastforward.free_after(inst, stretch, num_free) < need:
             self._sync(inst)
             if fastforward.free_after(inst, stretch, num_free) < need:
                 return None, None
-        blocks = inst.scheduler.reserve(rid, num_prompt)
+        blocks = self._reserve_blocks(inst, flight)
         if blocks is None:
             return None, None
         stretch.free0 -= num_free - kv.num_free_blocks()
@@ -164,8 +183,8 @@ class ClusterSim(SimLoop):
     def _grant_reservations(self, inst: StepInstance) -> None:
         """The decode worker's queue (worker_decode.py ``_grant_waiting``): reserve for the
         waiting requests in arrival order while there is room; refuse those whose wait ran out."""
-        def try_reserve(rid: str, flight: Flight) -> bool:
-            blocks = inst.scheduler.reserve(rid, flight.num_prompt)
+        def try_reserve(_: str, flight: Flight) -> bool:
+            blocks = self._reserve_blocks(inst, flight)
             if blocks is not None:
                 self._submit(flight, blocks)
             return blocks is not None
@@ -193,7 +212,12 @@ class ClusterSim(SimLoop):
         if self.is_split:
             target = flight.prefill = self._pick("prefill", flight.prompt_blocks)
             request = Request(rid, prompt, self._sampling(1, flight.key), arrival_time=arrival, hold_kv_for_transfer=True,
-                              kv_target=flight.decode.worker.worker_id, kv_target_block_ids=blocks)
+                              kv_target=flight.decode.worker.worker_id, kv_target_block_ids=blocks,
+                              kv_target_num_cached=flight.num_decode_cached)
+            flight.kv_sent = flight.num_decode_cached  # decode holds those blocks: they are not sent
+            if flight.prompt_blocks is not None and target.kv_cache.enable_prefix_caching:
+                # the keys the router computed are the engine's (spares hashing the prompt twice)
+                target.kv_cache.adopt_block_hashes(rid, flight.prompt_blocks.hashes(target.kv_cache.block_size))
         else:
             target = flight.colocated
             request = Request(rid, prompt, self._sampling(flight.num_output, flight.key), arrival_time=arrival)
@@ -204,13 +228,19 @@ class ClusterSim(SimLoop):
         target.scheduler.add_request(request)
         self._kick(target)
 
+    def _image_spans(self, index: int, num_prompt: int) -> list[tuple[int, int, str]]:
+        """(offset, length, content hash) of each image of request ``index`` in its prompt."""
+        if not self.num_image_tokens:
+            return []
+        num_images = self.workload.num_images
+        tokens = self.num_image_tokens // num_images
+        first = num_prompt - self.num_image_tokens if self.config.images_after_text else 0
+        return [(first + k * tokens, tokens, f"{index:011x}{k:04x}") for k in range(num_images)]
+
     def _submit_images(self, flight: Flight, request: Request) -> None:
         w = self.workload
-        tokens = self.num_image_tokens // w.num_images
-        first = flight.num_prompt - self.num_image_tokens if self.config.images_after_text else 0
-        for k in range(w.num_images):
-            mm = MMInput(offset=first + k * tokens, length=tokens, num_embeds=tokens,
-                         content_hash=f"{flight.index:011x}{k:04x}")
+        for k, (offset, length, content_hash) in enumerate(self._image_spans(flight.index, flight.num_prompt)):
+            mm = MMInput(offset=offset, length=length, num_embeds=length, content_hash=content_hash)
             flight.mm_inputs.append(mm)
             encoder = self._pick("encode")
             flight.encoders[encoder] = flight.encoders.get(encoder, 0) + 1
@@ -247,6 +277,8 @@ class ClusterSim(SimLoop):
         step_s = inst.step_cost.time_s(shape)
         if out.loads:  # read from the tiers below the pool before the forward pass
             step_s += inst.loader.loaded(out.loads)
+        if out.pulls:  # copied from the decode instance's pages before the forward pass
+            step_s += inst.puller.pulled(out.pulls)
         if inst.neighbour_step is not None and inst.neighbours:
             busy = sum(1 for o in inst.neighbours if o.is_busy) / len(inst.neighbours)
             if busy:
@@ -431,10 +463,11 @@ class ClusterSim(SimLoop):
             if target is None:
                 return
             self._sync(target)
-            blocks = target.scheduler.reserve(rid, flight.num_prompt)
+            blocks = self._reserve_blocks(target, flight)
             if blocks is None:
                 continue
             request.kv_target, request.kv_target_block_ids = target.worker.worker_id, blocks
+            request.kv_target_num_cached = flight.kv_sent = flight.num_decode_cached
             source.scheduler.release_reservation(rid)
             source.worker.drop(rid)
             target.worker.take(rid)

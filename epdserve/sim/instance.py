@@ -19,6 +19,7 @@ from epdserve.engine.scheduler import Scheduler, SchedulerOutput
 from epdserve.router.workers import WorkerInfo
 from epdserve.sim.cost_model import EncodeCost, RoleProfile, StepCost
 from epdserve.sim.kv_tiers import SimLoader, SimStore
+from epdserve.sim.peer_pull import SimPeerPuller
 
 # Shared-memory push on one host (engine/reload_rule.py, the same figure).
 SHM_BYTES_PER_S = PRIOR_SHM_BYTES_PER_S
@@ -101,10 +102,12 @@ class StepInstance:
         self.scheduler = Scheduler(config, self.kv_cache)
         tiers = kv_tiers or {}
         self.loader: SimLoader | None = None
+        self.puller: SimPeerPuller | None = None  # prefill: copies from decode's pages (set by the cluster)
+        self.prefix_cost = PrefixCost.from_step_cost(profile.step, block_size, bytes_per_block,
+                                                     {t: c[0] for t, c in tiers.items()},
+                                                     {t: c[1] for t, c in tiers.items()})
         if store is not None:
-            cost = PrefixCost.from_step_cost(profile.step, block_size, bytes_per_block,
-                                             {t: c[0] for t, c in tiers.items()}, {t: c[1] for t, c in tiers.items()})
-            self.loader = SimLoader(store, cost)
+            self.loader = SimLoader(store, self.prefix_cost)
             self.kv_cache.on_free = self.loader.on_free
             self.scheduler.prefix_loader = self.loader
         self.step_cost: StepCost = profile.step
@@ -162,7 +165,8 @@ class EncodeInstance:
 
 def role_summary(instances: list[StepInstance | EncodeInstance], end_s: float) -> dict[str, dict]:
     """Per role: instances, steps, busy seconds and utilization over ``end_s`` seconds,
-    preemptions and prompt tokens computed (step roles), bytes sent (prefill, encode)."""
+    preemptions and prompt tokens computed (step roles), bytes sent (prefill, encode), blocks
+    copied from decode's pages (prefill)."""
     roles: dict[str, dict] = {}
     for inst in instances:
         r = roles.setdefault(inst.role, {"num_instances": 0, "num_steps": 0, "busy_s": 0.0})
@@ -175,6 +179,8 @@ def role_summary(instances: list[StepInstance | EncodeInstance], end_s: float) -
             r["num_computed_prompt_tokens"] = r.get("num_computed_prompt_tokens", 0) + s.num_computed_prompt_tokens
         if inst.role in ("prefill", "encode"):
             r["link_bytes"] = r.get("link_bytes", 0) + inst.link.num_bytes
+        if getattr(inst, "puller", None) is not None:
+            r["num_pulled_blocks"] = r.get("num_pulled_blocks", 0) + inst.puller.num_pulled_blocks
     for r in roles.values():
         r["utilization"] = r["busy_s"] / (max(end_s, 1e-9) * r["num_instances"])
     return roles

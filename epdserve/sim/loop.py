@@ -33,6 +33,7 @@ from epdserve.sim.config import SimConfig, SimStats
 from epdserve.sim.cost_model import CostModel
 from epdserve.sim.instance import EncodeInstance, Link, StepInstance, role_summary
 from epdserve.sim.kv_tiers import SimStore
+from epdserve.sim.peer_pull import SimPeerPuller
 from epdserve.sim.results import Flight, MissWatch, Recorder
 from epdserve.sim.roles import SimRoleSwitching
 from epdserve.sim.workload import SimWorkload
@@ -133,6 +134,11 @@ class SimLoop:
                                 config.max_num_seqs.get(role), link if role in ("prefill", "decode") else None, cost.model,
                                 node, self._store(node), self.kv_tiers, cost.bytes_per_block())
         inst.index = index
+        if role == "prefill" and config.enable_prefix_caching:
+            by_id = self.by_worker_id
+            inst.puller = SimPeerPuller(inst.prefix_cost, link.bytes_per_s,
+                                        lambda worker_id: by_id[worker_id].worker.registration.node == node)
+            inst.scheduler.peer_loader = inst.puller
         inst.worker.role_since = self.now  # the simulator's clock (registered now)
         if self.is_prefix_aware and role != "encode":
             inst.kv_cache.record_events()

@@ -53,6 +53,7 @@ class Flight:
         "kv_sent",
         "mm_inputs",
         "num_cached_tokens",
+        "num_decode_cached",
         "num_handed_over",
         "num_output",
         "num_pending_images",
@@ -74,7 +75,7 @@ class Flight:
         self.num_prompt = num_prompt
         self.num_output = num_output
         self.prompt = prompt
-        self.prompt_blocks = None  # router/workers.py PromptBlocks (prefix-aware routing)
+        self.prompt_blocks = None  # router/workers.py PromptBlocks (prefix-aware routing, decode reservations)
         self.key = 0  # queue order (epdserve.service.schedule_key; 0: interactive)
         self.kv_exposed_s = 0.0  # KV transfer still in flight when the prefill step ended (a duration)
         self.kv_sent = 0  # prompt tokens whose KV is queued on the prefill instance's link
@@ -84,6 +85,7 @@ class Flight:
         self.num_pending_images = 0
         self.mm_inputs: list = []
         self.num_cached_tokens = 0
+        self.num_decode_cached = 0  # P/D: leading prompt tokens its decode instance's reservation found cached
         self.num_handed_over = 0  # tokens generated before its decode instance handed it over
         self.predicted_ttft_s = None  # predictive admission's prediction (before its correction)
 

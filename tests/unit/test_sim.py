@@ -488,6 +488,34 @@ def _evicting_trace(tmp_path):
     return trace_workload(str(trace))
 
 
+def test_pd_decode_holds_the_prefix_and_only_the_delta_moves(tmp_path):
+    """P/D: the decode instance's reservation names the prompt's blocks and takes those its
+    prefix cache holds; the prefill instance sends only the rest, and takes from decode's pages
+    (on one host) what its own pool lost instead of computing it (``reload_rule.pull_span`` and
+    ``PrefixCost.should_copy``, as engine/kv_pull.py)."""
+    w = _evicting_trace(tmp_path)  # X, then Y (evicts X from a 70-block prefill pool), then X
+    profile = profile_dict()
+    profile["roles"]["prefill"]["num_kv_blocks"] = 70
+    sim, rec = run(profile, "prefill=1,decode=1", w, instances_per_host=2)
+    prefill, decode = sim.instances
+    # Decode's 1000 blocks still hold X's 63 whole blocks: of the third prompt 16 tokens are sent.
+    assert prefill.link.num_bytes == (1024 + 1024 + 16) * 1000
+    num_pool_hit = 63 - prefill.puller.num_pulled_blocks  # X's head may survive in prefill's pool
+    assert 0 <= num_pool_hit < 8
+    assert prefill.scheduler.num_computed_prompt_tokens == 2 * 1024 + 16
+    # On two hosts nothing is copied (a worker copies over shared memory only): X is computed
+    # again, and still only the 16 tokens decode lacks are sent.
+    far, far_rec = run(profile, "prefill=1,decode=1", w)
+    assert far.instances[0].puller.num_pulled_blocks == 0
+    assert far.instances[0].scheduler.num_computed_prompt_tokens == 3 * 1024 - num_pool_hit * 16
+    assert far.instances[0].link.num_bytes == (1024 + 1024 + 16) * 1000
+    assert rec.ttft[2] < far_rec.ttft[2] - 0.5  # ~1 s of prefill (1e-3 per token) became a copy
+    # Without a prefix cache every prompt is computed and sent whole.
+    off, _ = run(profile, "prefill=1,decode=1", w, instances_per_host=2, enable_prefix_caching=False)
+    assert off.instances[0].link.num_bytes == 3 * 1024 * 1000
+    assert off.instances[0].scheduler.num_computed_prompt_tokens == 3 * 1024
+
+
 @pytest.mark.parametrize("routing", ["least-prefill", "prefix-aware"])
 def test_kv_tiers_in_the_simulator_follow_the_reload_rule(tmp_path, routing):
     """A prefix evicted from the pool is written to the host tier; when it comes back, the
