@@ -1,5 +1,5 @@
 """Where a prefix-cache arm's time goes: chosen arms of ``epdserve bench experiment prefix-cache``
-(1P1D, its workload and SLO) run once each with step traces, then per run the client's goodput
+(its workload and SLO, on 1P1D or ``--topology``) run once each with step traces, then per run the client's goodput
 and TTFT, the router's admission wait (the decode reservation) and the prefill queue, the
 sequence-weighted decode step (what TPOT is under bursts), and per worker its steps, busy time,
 free pool blocks and blocks pinned for write-down to the KV tiers.
@@ -51,6 +51,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--rate", type=float, default=3.24, help="requests/s (the trace subset compressed to it)")
+    parser.add_argument("--topology", default="prefill=1,decode=1", help="serve layout, e.g. colocated=2")
     parser.add_argument("--tpot-slo-ms", type=float, default=None, help="default: the experiment's")
     parser.add_argument("arms", nargs="+", metavar="ARM:DECODE_BLOCKS", help=f"ARM one of {', '.join(pc.ARMS)}")
     ns = parser.parse_args()
@@ -67,7 +68,7 @@ def main() -> None:
                         slo_tpot_ms=ns.tpot_slo_ms or pc.FULL.slo_tpot_ms)
         tag = f"{arm}_{blocks}".replace("+", "_")
         disk, steps, result_path = Path(tempfile.mkdtemp(prefix="kv-disk-", dir=ns.out)), ns.out / f"steps_{tag}", ns.out / f"{tag}.json"
-        server = start_server(pc.serve_flags(pc.MAIN_TOPOLOGY, arm, scale, disk) + ["--step-trace-dir", str(steps)],
+        server = start_server(pc.serve_flags(ns.topology, arm, scale, disk) + ["--step-trace-dir", str(steps)],
                               ns.out / "logs" / tag)
         try:
             run_command(pc.bench_cmd(server, subset, duration / span, scale, result_path), [])

@@ -22,8 +22,16 @@ from epdserve.bench.experiments.prefix_cache import (
     merge_rounds,
     subset_stats,
     summarize_level,
+    topology_flags,
 )
-from epdserve.bench.experiments.prefix_cache_report import crossover_table, describe_machines, goals, knee_lines, round_lines
+from epdserve.bench.experiments.prefix_cache_report import (
+    crossover_table,
+    describe_machines,
+    goals,
+    knee_lines,
+    plan_lines,
+    round_lines,
+)
 from epdserve.bench.traces import TraceRecord
 
 
@@ -168,3 +176,49 @@ def test_knee_is_the_highest_rate_that_kept_the_share_and_probing_stops_after_tw
     assert probed == [3.0, 4.0] and knee["rate"] == 3.0 and knee["is_below_ladder"]
     assert "below the ladder" in "\n".join(knee_lines({"knee": knee}))
     assert knee_lines({}) == []
+
+
+def test_knee_probe_enters_the_ladder_at_the_plans_rate_and_climbs_or_descends_from_there():
+    shares = {1.0: 1.0, 2.0: 0.95, 3.0: 0.95, 4.0: 0.5, 5.0: 0.3, 6.0: 1.0}
+    probed = []
+
+    def probe(rate: float) -> dict:
+        probed.append(rate)
+        return {"request_rate": rate, "request_goodput": rate * shares[rate], "goodput_share": shares[rate],
+                "ttft_p50_ms": 100.0, "ttft_p99_ms": 900.0, "tpot_p99_ms": 50.0}
+
+    ladder = _ladder(1.0, 2.0, 3.0, 4.0, 5.0, 6.0)
+    knee = find_knee(ladder, probe, start_rate=2.4)  # entered at 2.0, the highest rung not above 2.4
+    assert probed == [2.0, 3.0, 4.0, 5.0] and knee["rate"] == 3.0 and knee["entry_rate"] == 2.0
+    text = "\n".join(knee_lines({"knee": knee}))
+    assert "entered at 2.00 req/s" in text and "is 3.00 req/s" in text
+    probed.clear()
+    knee = find_knee(ladder, probe, start_rate=5.5)  # 5.0 misses: down until a rate keeps the share
+    assert probed == [5.0, 4.0, 3.0] and knee["rate"] == 3.0 and not knee["is_below_ladder"]
+    assert [p["request_rate"] for p in knee["probes"]] == [3.0, 4.0, 5.0]  # sorted by rate
+    probed.clear()
+    shares.update({1.0: 0.2, 2.0: 0.2, 3.0: 0.2})
+    knee = find_knee(ladder, probe, start_rate=3.0)
+    assert probed == [3.0, 2.0, 1.0] and knee["is_below_ladder"] and knee["rate"] == 1.0
+    probed.clear()
+    find_knee(ladder, probe, start_rate=0.1)  # below the ladder's first rung: entered there
+    assert probed[0] == 1.0
+
+
+def test_topology_flags_give_serve_one_core_per_worker():
+    assert topology_flags("colocated=2") == ["--colocated-workers", "2", "--cores-per-worker", "1"]
+    assert topology_flags("prefill=2,decode=1") == ["--prefill-workers", "2", "--decode-workers", "1",
+                                                    "--cores-per-worker", "1"]
+    with pytest.raises(BenchError, match="text only"):
+        topology_flags("encode=1,prefill=1,decode=1")
+
+
+def test_report_says_which_split_the_plan_chose():
+    split = {"topology": "colocated=2", "reason": "goodput per instance: split 1.4 vs colocated 2.4 req/s",
+             "instances": 2, "slo": "ttft_p90:1000,tpot_p90:200",
+             "candidates": [{"topology": "colocated=2", "max_rate": 4.8, "goodput": 4.7, "goodput_per_instance": 2.4},
+                            {"topology": "prefill=1,decode=1", "max_rate": 2.8, "goodput": 2.7,
+                             "goodput_per_instance": 1.4}]}
+    text = "\n".join(plan_lines({"plan": split}))
+    assert "chose **colocated=2**" in text and "prefill=1,decode=1" in text and "2 instances" in text
+    assert plan_lines({}) == []

@@ -13,17 +13,24 @@ usually evicted before its next turn arrives:
     prefix-aware            prefix-aware    none
     prefix-aware+tiers      prefix-aware    host (shared memory) + disk
 
-on one prefill and one decode worker (1P1D), one core each. ``TOPOLOGIES`` keeps the layouts
-of earlier runs: two colocated workers (one core each), and 2P1D on machines per role
-(``MACHINES``: CPU quotas from ``cpu_quota.py`` and each worker's threads pinned to its core
-after start). With every worker held to two thirds of a core, 2P1D was decode-bound at the TPOT
-SLO whatever the routing (TPOT P50 105-174 ms at 1.62-3.24 req/s against the 100 ms SLO); with
-decode alone on one core and the prefill workers held to half of the other each, it was
-prefill-bound (TTFT P50 3.0-9.2 s at 3.24-5.93 req/s, 3-19 % within the SLO in every arm), so the
-cache could not show in either.
-The rates: the baseline (least-prefill, no tiers) is replayed first at rising rates until two
-in a row keep fewer than 90 % of its requests within the SLO; the highest rate that kept them is
-its knee, and every arm runs at multiples of it (below the knee no arm can reach 1.5x the baseline's goodput).
+on the split ``epdserve plan`` gives for this trace and SLO on this host: the experiment profiles
+the host (``epdserve profile``, every role at one thread), plans with a budget of one instance per
+core and the baseline's routing, and runs every arm on the plan's configuration (on two cores:
+two colocated workers or one prefill and one decode worker, one core each). ``MACHINES`` keeps
+the layout of earlier runs on 2P1D, machines per role (CPU quotas from ``cpu_quota.py`` and each
+worker's threads pinned to its core after start), applied when the plan's topology is one of them. With every worker
+held to two thirds of a core, 2P1D was decode-bound at the TPOT SLO whatever the routing (TPOT
+P50 105-174 ms at 1.62-3.24 req/s against the 100 ms SLO); with decode alone on one core and the
+prefill workers held to half of the other each, it was prefill-bound (TTFT P50 3.0-9.2 s at
+3.24-5.93 req/s, 3-19 % within the SLO in every arm), so the cache could not show in either. On
+1P1D the decode worker's own prefix cache already served 51-58 % of prompt tokens, leaving the
+tiers 13-15 points of the trace's 71.
+
+The rates: the baseline (least-prefill, no tiers) is replayed first, from the ladder's rate
+nearest the plan's predicted rate: up the ladder while it keeps 90 % of its requests within the
+SLO (until two rates in a row do not), down it until it does when the first miss; the highest rate
+that kept them is its knee, and every arm runs at multiples of it (below the knee no arm can reach
+1.5x the baseline's goodput).
 Every arm at every rate runs ``rounds`` times (two at full scale; this host's speed moves
 within minutes, and one run near the knee can differ from the next by a third), the arms'
 order rotated each round; the tables hold the rounds' means and the goals each round's own
@@ -65,7 +72,9 @@ from epdserve.bench.experiments.launch import (
 from epdserve.bench.experiments.prefix_cache_report import BASELINE, NAME, build_report, goals, write_plots
 from epdserve.bench.experiments.report import begin, write_outputs
 from epdserve.bench.traces import TRACE_BLOCK_TOKENS, TraceRecord, read_trace
+from epdserve.cluster.local import available_cores
 from epdserve.envs import EPDSERVE_TRACES_DIR, get_traces_dir
+from epdserve.sim.topology import parse_topology
 
 TRACE_FILE = "mooncake_conversation.jsonl"
 BLOCK_SIZE = 16  # the engine's default --block-size
@@ -76,12 +85,16 @@ ARMS = {  # name -> (routing, with tiers)
     "prefix-aware": ("prefix-aware", False),
     "prefix-aware+tiers": ("prefix-aware", True),
 }
-TOPOLOGIES = {
-    "prefill=2,decode=1": ["--prefill-workers", "2", "--decode-workers", "1", "--cores-per-worker", "1"],
-    "colocated=2": ["--colocated-workers", "2", "--cores-per-worker", "1"],
-    "prefill=1,decode=1": ["--prefill-workers", "1", "--decode-workers", "1", "--cores-per-worker", "1"],
-}
-MAIN_TOPOLOGY = "prefill=1,decode=1"  # what the experiment runs (every arm, every rate) and its goals judge
+SERVE_ROLE_FLAGS = {"colocated": "--colocated-workers", "prefill": "--prefill-workers", "decode": "--decode-workers"}
+
+
+def topology_flags(spec: str) -> list[str]:
+    """serve's flags for a topology (``colocated=2``, ``prefill=2,decode=1``), one core per worker."""
+    topology = parse_topology(spec)
+    if topology.num_encode:
+        raise BenchError(f"prefix-cache serves text only; the topology {spec!r} has encode workers")
+    flags = [f for role in topology.roles for f in (SERVE_ROLE_FLAGS[role], str(topology.count(role)))]
+    return [*flags, "--cores-per-worker", "1"]
 
 
 @dataclass(frozen=True)
@@ -118,20 +131,22 @@ class Scale:
     rounds: int = 1  # every arm at every rate this many times, on fresh servers, arms rotated per round
     rate_multiples: tuple[float, ...] = (1.0,)  # the rates every arm runs at, as multiples of the knee
     knee_share: float = 0.9  # the knee: the highest probed rate at which this share of requests meets the SLO
-    knee_misses: int = 2  # probing stops after this many rates in a row below knee_share
+    knee_misses: int = 2  # probing up the ladder stops after this many rates in a row below knee_share
+    quick_profile: bool = False  # epdserve profile --quick (rough numbers, seconds)
 
 
-# Rates: a knee probe of the baseline (``find_knee``) on a ladder from 1.6 req/s up by 1.2x, the
-# arms at 1.15, 1.3 and 1.5x the knee (fixed rates tuned on one day's host were all past the
+# Rates: a knee probe of the baseline (``find_knee``) on a ladder from 0.8 req/s up by about 1.2x,
+# entered at the plan's predicted rate; the arms at 1.15, 1.3 and 1.5x the knee (fixed rates tuned on one day's host were all past the
 # knee on a slower day). The decode worker's pool is small for the trace (512 blocks, about 20
 # conversations' contexts): the memory-pressed regime the tiers are for; with 2048 blocks the
 # decode worker's own prefix cache, pulled from by the prefill worker, served 69 % of prompt
 # tokens without tiers and the tiers added 5 %. TPOT SLO 200 ms: five times a one-sequence decode
 # step (38-40 ms in the decode worker's step trace here; sim_fidelity's rule): a burst of the
 # trace puts 20-30 sequences on the decode worker's one core, 75-105 ms a step, in every arm.
-FULL = Scale(32, 4, 9600, 0.1, (1.6, 1.9, 2.3, 2.8, 3.3, 4.0, 4.8), 1000.0, 200.0, 128, 512, 0.25, 1.0, 2048,
-             (32, 64, 128, 256, 512, 1024, 1536), 3, rounds=2, rate_multiples=(1.15, 1.3, 1.5))
-QUICK = Scale(3, 4, 9600, 0.05, (0.8,), 20000.0, 2000.0, 64, 128, 0.1, 0.2, 1024, (32, 128), 1)
+FULL = Scale(32, 4, 9600, 0.1, (0.8, 1.0, 1.2, 1.4, 1.6, 1.9, 2.3, 2.8, 3.3, 4.0, 4.8, 5.8, 7.0), 1000.0, 200.0,
+             128, 512, 0.25, 1.0, 2048, (32, 64, 128, 256, 512, 1024, 1536), 3, rounds=2,
+             rate_multiples=(1.15, 1.3, 1.5))
+QUICK = Scale(3, 4, 9600, 0.05, (0.8,), 20000.0, 2000.0, 64, 128, 0.1, 0.2, 1024, (32, 128), 1, quick_profile=True)
 
 
 # ---------------------------------------------------------------- part 1: the trace
@@ -203,7 +218,7 @@ def subset_stats(records: list[TraceRecord], scale: Scale) -> dict:
 
 def serve_flags(topology: str, arm: str, scale: Scale, disk_dir: Path) -> list[str]:
     routing, with_tiers = ARMS[arm]
-    flags = [*TOPOLOGIES[topology], "--routing", routing, "--num-kv-blocks", str(scale.num_kv_blocks),
+    flags = [*topology_flags(topology), "--routing", routing, "--num-kv-blocks", str(scale.num_kv_blocks),
              "--max-model-len", str(scale.max_model_len)]
     if "--decode-workers" in flags:
         flags += ["--decode-num-kv-blocks", str(scale.decode_num_kv_blocks)]
@@ -284,27 +299,46 @@ def run_trace_arm(topology: str, arm: str, durations: tuple[float, ...], subset:
     return levels
 
 
-def find_knee(scale: Scale, probe: Callable[[float], dict]) -> dict:
+def find_knee(scale: Scale, probe: Callable[[float], dict], start_rate: float | None = None) -> dict:
     """The baseline's knee: ``probe(rate)`` (least-prefill without tiers replayed at that rate)
-    at each rate of the ladder, lowest first, until ``knee_misses`` probes in a row keep fewer
-    than ``knee_share`` of its requests within the SLO; the knee is the highest probed rate that
+    on the ladder ``scale.probe_rates``, entered at its highest rate not above ``start_rate`` (the
+    plan's prediction; the lowest rate without one). While the probes keep ``knee_share`` of their
+    requests within the SLO it climbs, until ``knee_misses`` probes in a row do not; when the
+    first probe misses above the ladder's first rate it descends until one keeps them. The knee is the highest probed rate that
     kept them (the ladder's first when none did: ``is_below_ladder``). One run near the knee can
     miss where the next rate up does not (a burst that fills the decode worker's pool queues every
-    reservation behind it), so one miss does not end the probe. Below the knee no arm can have
+    reservation behind it), so one miss does not end the climb. Below the knee no arm can have
     1.5x the baseline's goodput (it already serves nearly every request in time), so the arms run
-    past it, at ``rate_multiples`` of it."""
-    probes, knee, misses = [], None, 0
-    for rate in scale.probe_rates:
+    past it, at ``rate_multiples`` of it. The probes come back sorted by rate."""
+    ladder = scale.probe_rates
+    entry = 0 if start_rate is None else max([i for i, r in enumerate(ladder) if r <= start_rate], default=0)
+    probes: list[dict] = []
+
+    def kept(rate: float) -> bool:
         level = probe(rate)
         probes.append(level)
-        if level["goodput_share"] >= scale.knee_share:
-            knee, misses = rate, 0
-            continue
-        misses += 1
-        if misses >= scale.knee_misses:
-            break
-    return {"probes": probes, "rate": scale.probe_rates[0] if knee is None else knee, "is_below_ladder": knee is None,
-            "share": scale.knee_share, "misses": scale.knee_misses, "rate_multiples": list(scale.rate_multiples)}
+        return level["goodput_share"] >= scale.knee_share
+
+    knee = None
+    if kept(ladder[entry]) or entry == 0:
+        misses = 0 if probes[0]["goodput_share"] >= scale.knee_share else 1
+        knee = ladder[entry] if misses == 0 else None
+        for rate in ladder[entry + 1:]:
+            if misses >= scale.knee_misses:
+                break
+            if kept(rate):
+                knee, misses = rate, 0
+            else:
+                misses += 1
+    else:
+        for rate in reversed(ladder[:entry]):
+            if kept(rate):
+                knee = rate
+                break
+    probes.sort(key=lambda lv: lv["request_rate"])
+    return {"probes": probes, "rate": ladder[0] if knee is None else knee, "is_below_ladder": knee is None,
+            "entry_rate": None if start_rate is None else ladder[entry], "share": scale.knee_share, "misses": scale.knee_misses,
+            "rate_multiples": list(scale.rate_multiples)}
 
 
 def merge_rounds(rounds: list[dict[str, list[dict]]]) -> dict[str, list[dict]]:
@@ -397,6 +431,45 @@ def _request(server: RunningServer, model: str, prompt: list[int]) -> tuple[floa
     return elapsed_ms, r.json().get("timing") or {}
 
 
+# ---------------------------------------------------------------- the split
+
+
+def plan_split(scale: Scale, subset: Path, out_dir: Path, commands: list[str]) -> dict:
+    """Profile this host and ask ``epdserve plan`` for the best configuration of one instance per
+    core, all on this host, on the subset at the experiment's SLO (90 % of requests within it,
+    the knee's share), routed as the baseline routes; its verdict's topology is where every arm
+    runs. The plan is told the pools the arms serve with (``num_kv_blocks`` per worker,
+    ``decode_num_kv_blocks`` per decode worker: the profile's own are the default pools)."""
+    measured, profile_path, plan_path = out_dir / "profile.json", out_dir / "profile_served_pools.json", out_dir / "plan.json"
+    quick = ["--quick"] if scale.quick_profile else []
+    run_command(epdserve_cmd("profile", "--roles", "colocated,prefill,decode", "--threads", "colocated=1",
+                             "--max-model-len", str(scale.max_model_len), "--out", str(measured),
+                             "--disable-tqdm", *quick), commands)
+    profile = json.loads(measured.read_text(encoding="utf-8"))
+    for role, spec in profile["roles"].items():
+        spec["num_kv_blocks"] = scale.decode_num_kv_blocks if role == "decode" else scale.num_kv_blocks
+    profile_path.write_text(json.dumps(profile, indent=1), encoding="utf-8")
+    instances = len(available_cores())
+    max_model_len = min(scale.max_model_len, (scale.num_kv_blocks - 1) * BLOCK_SIZE)  # what the pool holds
+    slo = f"ttft_p90:{scale.slo_ttft_ms:g},tpot_p90:{scale.slo_tpot_ms:g}"
+    run_command(epdserve_cmd("plan", "--profile", str(profile_path), "--slo", slo,
+                             "--attainment", f"{scale.knee_share:g}", "--instances", str(instances),
+                             "--instances-per-host", str(instances),
+                             "--workload", "trace", str(subset), "--length-scale", f"{scale.length_scale:g}",
+                             "--routing", ARMS[BASELINE][0],
+                             "--seqs-choices", "0",  # the profile's max_num_seqs: what the servers run with
+                             "--max-model-len", str(max_model_len), "--out", str(plan_path)), commands)
+    result = json.loads(plan_path.read_text(encoding="utf-8"))
+    verdict = result["verdict"]
+    topology = verdict["configuration"]["topology"]
+    chosen = [c for c in result.get("candidates", []) if c.get("topology") == topology]
+    predicted = max((c.get("max_rate", 0.0) for c in chosen), default=0.0) or result.get("max_rate") or None
+    return {"topology": topology, "choice": verdict["choice"], "reason": verdict["reason"],
+            "predicted_max_rate": predicted, "slo": slo, "instances": result["instances"],
+            "candidates": [{k: c.get(k) for k in ("topology", "max_rate", "goodput", "goodput_per_instance")}
+                           for c in result.get("candidates", [])]}
+
+
 # ---------------------------------------------------------------- the experiment
 
 
@@ -411,32 +484,36 @@ def run(out_dir: Path, quick: bool) -> str:
     subset = out_dir / "mooncake_conversation_subset.jsonl"
     write_subset(records, subset)
     stats = subset_stats(records, scale)
-    wants_quota = MAIN_TOPOLOGY in MACHINES
+    commands: list[str] = []
+    split = plan_split(scale, subset, out_dir, commands)
+    topology = split["topology"]
+    print(f"plan: {topology} ({split['reason']}); predicted max rate {split['predicted_max_rate']}", flush=True)
+    wants_quota = topology in MACHINES
     why = cpu_quota.available() if wants_quota else None
     if wants_quota and why is not None and not quick:
-        raise BenchError(f"prefix-cache holds each worker of {MAIN_TOPOLOGY} to a CPU quota and cannot here: {why}")
+        raise BenchError(f"prefix-cache holds each worker of {topology} to a CPU quota and cannot here: {why}")
     use_quota = wants_quota and why is None
-    commands: list[str] = []
+
     def probe(rate: float) -> dict:
-        return run_trace_arm(MAIN_TOPOLOGY, BASELINE, (round(stats["num_requests"] / rate, 3),), subset,
+        return run_trace_arm(topology, BASELINE, (round(stats["num_requests"] / rate, 3),), subset,
                              stats["span_s"], scale, out_dir, commands, use_quota, label="probe_")[0]
 
-    knee = find_knee(scale, probe)
+    knee = find_knee(scale, probe, split["predicted_max_rate"])
     durations = tuple(round(stats["num_requests"] / (m * knee["rate"]), 3) for m in scale.rate_multiples)
     arms = list(ARMS)
     rounds = []
     for k in range(scale.rounds):  # the arms rotate, so no arm always runs first or last in a round
         order = arms[k % len(arms):] + arms[:k % len(arms)]
-        ran = {arm: run_trace_arm(MAIN_TOPOLOGY, arm, durations, subset, stats["span_s"], scale, out_dir, commands,
+        ran = {arm: run_trace_arm(topology, arm, durations, subset, stats["span_s"], scale, out_dir, commands,
                                   use_quota, k) for arm in order}
         rounds.append({arm: ran[arm] for arm in arms})
-    trace_results = {MAIN_TOPOLOGY: merge_rounds(rounds)}
+    trace_results = {topology: merge_rounds(rounds)}
     crossover = {name: crossover_arm(name, scale, out_dir, commands) for name in CROSSOVER_ARMS}
-    results = {"scale": asdict(scale), "workload": stats, "topology": MAIN_TOPOLOGY,
-               "machines": ({role: asdict(m) for role, m in MACHINES[MAIN_TOPOLOGY].items()} if use_quota else None),
+    results = {"scale": asdict(scale), "workload": stats, "topology": topology, "plan": split,
+               "machines": ({role: asdict(m) for role, m in MACHINES[topology].items()} if use_quota else None),
                "quota_wanted": wants_quota,
                "knee": knee, "trace": trace_results,
-               "goals": goals(trace_results[MAIN_TOPOLOGY]),
+               "goals": goals(trace_results[topology]),
                "goals_by_round": [goals(levels) for levels in rounds], "rounds": rounds,
                "crossover": crossover, "commands": commands}
     plots = write_plots(results, out_dir)

@@ -104,12 +104,30 @@ def knee_lines(results: dict) -> list[str]:
     multiples = ", ".join(f"{m:g}" for m in knee["rate_multiples"])
     misses = knee.get("misses", 1)
     until = "one" if misses == 1 else f"{misses} in a row"
-    return [f"Rates: {BASELINE} without tiers replayed at rising rates until {until} kept fewer than "
-            f"{pct(knee['share'])} of its requests within the SLO (one run each); the knee, the highest rate that "
-            f"kept them, is {where}. Every arm runs "
+    entry = knee.get("entry_rate")
+    predicted_rate = (results.get("plan") or {}).get("predicted_max_rate")
+    predicted = "max rate" if predicted_rate is None else f"max rate, {predicted_rate:.2f} req/s"
+    how = (f"{BASELINE} without tiers replayed at rising rates until {until} kept fewer than "
+           f"{pct(knee['share'])} of its requests within the SLO" if entry is None else
+           f"{BASELINE} without tiers replayed on a ladder of rates entered at {entry:.2f} req/s (its highest rung "
+           f"not above the plan's predicted {predicted}): up while it kept {pct(knee['share'])} of its requests within the SLO (until {until} did "
+           "not), down until it did when the first rate missed")
+    return [f"Rates: {how} (one run each); the knee, the highest rate that kept them, is {where}. Every arm runs "
             f"at {multiples} × the knee (at or below it no arm can have {GOAL_GOODPUT_RATIO:g}× the baseline's goodput).",
             "", markdown_table(["rate (req/s)", "goodput (req/s)", "within SLO", "TTFT P50 (ms)", "TTFT P99 (ms)",
                                 "TPOT P99 (ms)"], rows), ""]
+
+
+def plan_lines(results: dict) -> list[str]:
+    """Where the arms ran: the configuration ``epdserve plan`` chose for the trace, and why."""
+    split = results.get("plan")
+    if not split:
+        return []
+    rows = [[c["topology"], c.get("max_rate"), c.get("goodput"), c.get("goodput_per_instance")]
+            for c in split.get("candidates", [])]
+    return [f"Topology: `epdserve plan` on this host's profile, {split['instances']} instances (one per core), SLO "
+            f"`{split['slo']}` with the baseline's routing, chose **{split['topology']}** ({split['reason']}).",
+            "", markdown_table(["candidate", "predicted max rate (req/s)", "goodput (req/s)", "per instance"], rows), ""]
 
 
 def describe_machines(results: dict) -> str:
@@ -153,6 +171,7 @@ def build_report(results: dict, run: ExperimentRun, plot_names: list[str]) -> st
         "",
         f"## {topology}: {machines}",
         "",
+        *plan_lines(results),
         *knee_lines(results),
         markdown_table(["arm", "rate (req/s)", "goodput (req/s)", "within SLO", "TTFT P50 (ms)", "TTFT P99 (ms)",
                         "TPOT P99 (ms)", "prompt from pool", "from host tier", "from disk tier", "failed"],
