@@ -12,9 +12,10 @@ Load: at admission the scheduler asks ``plan_load`` about the blocks after its p
 store names the tier of each of the following blocks (a host run, then a disk run); the rule
 decides per run from the tier's bandwidth and latency (measured when the store opens) against
 the prefill time of those tokens (measured by the engine, ``PrefillRate``). The blocks chosen
-are read and checked at once (a miss or a corrupt block ends the load there: the rest is
-computed) and written into the request's new pages, layer by layer, before the step's forward
-pass (``apply``). A loaded block joins the prefix cache like a computed one.
+are read and checked at once, straight into one buffer (a miss or a corrupt block ends the load
+there: the rest is computed), and written into the request's new pages, layer by layer (one
+indexed copy per layer for every block a step loads), before the step's forward pass
+(``apply``). A loaded block joins the prefix cache like a computed one.
 
 The pages are one tensor per layer, ``[2, num_blocks, block_size, num_kv_heads, head_dim]``
 (``runner.kv_cache_shapes``); a block's blob is ``[num_layers, 2, block_size, num_kv_heads,
@@ -91,11 +92,11 @@ class PrefixLoad:
     """Blocks the scheduler takes from the store for one request (``plan_load``), with the
     reload rule's inputs and choice."""
 
-    blobs: list[bytearray]  # one per block, read and checked, in prompt order
+    data: torch.Tensor  # [blocks, block_bytes] uint8: the blocks read and checked, in prompt order
     num_host_blocks: int  # of them from the host tier (they come first)
     num_disk_blocks: int
     num_found_blocks: int  # blocks the store had after the pool hit (loaded or not)
-    num_chosen_blocks: int  # of them, those the rule chose to load (read back: len(blobs))
+    num_chosen_blocks: int  # of them, those the rule chose to load (read back: num_blocks)
     predicted_load_s: float  # the rule's load time of what it chose
     predicted_compute_s: float  # the rule's prefill time of every found block's tokens
     read_s: float  # measured: reading and checking the blobs
@@ -103,7 +104,7 @@ class PrefixLoad:
 
     @property
     def num_blocks(self) -> int:
-        return len(self.blobs)
+        return self.data.shape[0]
 
     def info(self, block_size: int) -> TierLoad:
         return TierLoad(self.num_found_blocks * block_size, self.num_chosen_blocks * block_size,
@@ -223,35 +224,40 @@ class KVOffload:
         load_host, load_disk, load_s = cost.plan_loads(num_cached_tokens, num_host, num_disk)
         compute_s = cost.prefill_s(len(tiers) * self.block_size, num_cached_tokens)
         start = time.perf_counter()
-        blobs: list[bytearray] = []
-        for key, tier in zip(block_hashes, tiers[: load_host + load_disk]):
-            buf = bytearray(self.block_bytes)
-            if not self.store.load_into(key, tier, memoryview(buf)):
+        num_chosen = load_host + load_disk
+        data = torch.empty((num_chosen, self.block_bytes), dtype=torch.uint8)
+        rows = data.numpy()
+        num_read = 0
+        for key, tier in zip(block_hashes, tiers[:num_chosen]):
+            if not self.store.load_into(key, tier, memoryview(rows[num_read])):
                 self.num_load_failures += 1
                 break  # missing or corrupt: computed from here on
-            blobs.append(buf)
-        num_host_loaded = min(len(blobs), load_host)
-        return PrefixLoad(blobs, num_host_loaded, len(blobs) - num_host_loaded, len(tiers), load_host + load_disk,
+            num_read += 1
+        num_host_loaded = min(num_read, load_host)
+        return PrefixLoad(data[:num_read], num_host_loaded, num_read - num_host_loaded, len(tiers), num_chosen,
                           load_s, compute_s, time.perf_counter() - start)
 
     def apply(self, loads: Sequence[PrefixLoad]) -> None:
-        """Write the loaded blobs into their pages, layer by layer (before the forward pass)."""
+        """Write the loaded blocks into their pages, layer by layer (before the forward pass)."""
         block_ids: list[int] = []
-        blobs: list[torch.Tensor] = []
+        parts: list[torch.Tensor] = []
         for load in loads:
-            assert len(load.block_ids) == len(load.blobs), "a load's pages were not allocated"
-            block_ids += load.block_ids
-            blobs += [torch.frombuffer(b, dtype=torch.uint8) for b in load.blobs]
+            assert len(load.block_ids) == load.num_blocks, "a load's pages were not allocated"
+            if load.num_blocks:
+                block_ids += load.block_ids
+                parts.append(load.data)
             self.num_loaded_blocks["host"] += load.num_host_blocks
             self.num_loaded_blocks["disk"] += load.num_disk_blocks
         if not block_ids:
             return
         device = self.kv_caches[0].device
+        data = parts[0] if len(parts) == 1 else torch.cat(parts)
         # [blocks, layers, 2, block_size, heads, dim]
-        src = torch.stack(blobs).view(self.dtype).view(len(block_ids), *self.block_shape).to(device)
+        src = data.view(self.dtype).view(len(block_ids), *self.block_shape).to(device)
         index = torch.tensor(block_ids, dtype=torch.long, device=device)
         for layer, kv in enumerate(self.kv_caches):
-            kv[:, index] = src[:, layer].transpose(0, 1)
+            # [2, blocks, block_size, heads, dim], contiguous for the indexed copy
+            kv.index_copy_(1, index, src[:, layer].transpose(0, 1).contiguous())
 
     def close(self) -> None:
         self.store.close()

@@ -432,3 +432,51 @@ def test_measure_tier_bandwidth(shm_root: Path, disk_root: Path, name: str) -> N
     assert sorted(os.listdir(tier.root)) == [".lock", key_of(1).hex()]
     assert tier.stats().evicted == 0
     tier.close()
+
+
+# -- KVOffload: an engine's pages over the store -----------------------------------------------
+
+def _offload(disk_root: Path, num_layers: int = 3):
+    import torch
+
+    from epdserve.config import TierOptions
+    from epdserve.engine.block_pool import BlockPool
+    from epdserve.engine.kv_offload import KVOffload
+    from epdserve.engine.reload_rule import PrefillRate
+
+    gen = torch.Generator().manual_seed(0)
+    # one tensor per layer: [2, num_blocks, block_size, heads, head_dim]
+    kv = [torch.randn(2, 8, 4, 2, 8, generator=gen).to(torch.bfloat16) for _ in range(num_layers)]
+    options = TierOptions(disk_gib=0.001, disk_dir=str(disk_root), disk_read_gbps=1000.0)  # the rule loads
+    return kv, KVOffload.open(options, "test-model", kv, BlockPool(8, True), 4, PrefillRate())
+
+
+def test_offload_loads_written_blocks_into_other_pages_layer_by_layer(disk_root: Path) -> None:
+    """Blocks gathered from pages 1 and 2 (every layer's K and V) come back byte for byte into
+    pages 5 and 6 of every layer; a corrupt block ends the load there (the rest is computed)."""
+    kv, offload = _offload(disk_root)
+    keys = [key_of(1), key_of(2), key_of(3)]
+    try:
+        for key, page in zip(keys, (1, 2, 3)):
+            assert offload.store.submit_write(key, lambda p=page: offload._gather(p))
+        assert offload.store.flush(WAIT_S)
+        load = offload.plan_load(keys[:2], num_cached_tokens=0)
+        assert load is not None and load.num_blocks == 2 and load.num_disk_blocks == 2
+        other = offload.plan_load(keys[2:], num_cached_tokens=8)  # a second request in the same step
+        load.block_ids, other.block_ids = [5, 6], [4]
+        offload.apply([load, other])
+        for layer in kv:
+            assert layer[:, 5].equal(layer[:, 1]) and layer[:, 6].equal(layer[:, 2]) and layer[:, 4].equal(layer[:, 3])
+        assert offload.num_loaded_blocks == {"host": 0, "disk": 3}
+        # The second block's file corrupted: the load stops after the first.
+        path = offload.store.disk.root / keys[1].hex()
+        raw = bytearray(path.read_bytes())
+        raw[-1] ^= 0xFF
+        path.write_bytes(bytes(raw))
+        load = offload.plan_load(keys, num_cached_tokens=0)
+        assert load.num_chosen_blocks == 3 and load.num_blocks == 1 and offload.num_load_failures == 1
+        load.block_ids = [7]
+        offload.apply([load])
+        assert all(layer[:, 7].equal(layer[:, 1]) for layer in kv)
+    finally:
+        offload.close()
