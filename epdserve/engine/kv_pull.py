@@ -65,6 +65,15 @@ class PeerPull:
         return fence is None or fence.admits(self.generation, 0, self.fenced_block_ids)
 
 
+def copy_pages(theirs: Sequence[torch.Tensor], ours: Sequence[torch.Tensor], src: torch.Tensor,
+               dst: torch.Tensor) -> None:
+    """Per layer, pages ``src`` of ``theirs`` into pages ``dst`` of ``ours`` (layers of
+    ``[2, num_blocks, ...]``): one indexed read and one indexed write per layer."""
+    for their_layer, our_layer in zip(theirs, ours):
+        rows = their_layer.index_select(1, src).to(device=our_layer.device, dtype=our_layer.dtype)
+        our_layer.index_copy_(1, dst, rows)
+
+
 class PeerPuller:
     """The scheduler's ``peer_loader`` on a prefill worker with one full-attention KV group."""
 
@@ -131,8 +140,7 @@ class PeerPuller:
             start = time.perf_counter()
             src = torch.tensor(pull.src_block_ids, dtype=torch.long)
             dst = torch.tensor(pull.block_ids, dtype=torch.long, device=self.kv_caches[0].device)
-            for theirs, ours in zip(pull.link.pool.layers, self.kv_caches):
-                ours[:, dst] = theirs[:, src].to(device=ours.device, dtype=ours.dtype)
+            copy_pages(pull.link.pool.layers, self.kv_caches, src, dst)
             if not pull.is_open():
                 failed.append(pull.request_id)
                 continue
