@@ -211,6 +211,8 @@ def test_topology_flags_give_serve_one_core_per_worker():
                                                     "--cores-per-worker", "1"]
     with pytest.raises(BenchError, match="text only"):
         topology_flags("encode=1,prefill=1,decode=1")
+    with pytest.raises(BenchError, match="role=N"):
+        topology_flags("prefill=x")
 
 
 def test_report_says_which_split_the_plan_chose():

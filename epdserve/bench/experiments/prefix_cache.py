@@ -74,7 +74,6 @@ from epdserve.bench.experiments.report import begin, write_outputs
 from epdserve.bench.traces import TRACE_BLOCK_TOKENS, TraceRecord, read_trace
 from epdserve.cluster.local import available_cores
 from epdserve.envs import EPDSERVE_TRACES_DIR, get_traces_dir
-from epdserve.sim.topology import parse_topology
 
 TRACE_FILE = "mooncake_conversation.jsonl"
 BLOCK_SIZE = 16  # the engine's default --block-size
@@ -89,11 +88,16 @@ SERVE_ROLE_FLAGS = {"colocated": "--colocated-workers", "prefill": "--prefill-wo
 
 
 def topology_flags(spec: str) -> list[str]:
-    """serve's flags for a topology (``colocated=2``, ``prefill=2,decode=1``), one core per worker."""
-    topology = parse_topology(spec)
-    if topology.num_encode:
-        raise BenchError(f"prefix-cache serves text only; the topology {spec!r} has encode workers")
-    flags = [f for role in topology.roles for f in (SERVE_ROLE_FLAGS[role], str(topology.count(role)))]
+    """serve's flags for a topology as ``epdserve plan`` names it (``colocated=2``,
+    ``prefill=2,decode=1``), one core per worker."""
+    flags = []
+    for part in spec.split(","):
+        role, _, count = part.partition("=")
+        if role == "encode":
+            raise BenchError(f"prefix-cache serves text only; the topology {spec!r} has encode workers")
+        if role not in SERVE_ROLE_FLAGS or not count.isdigit() or int(count) < 1:
+            raise BenchError(f"topology {spec!r}: want role=N pairs of {', '.join(SERVE_ROLE_FLAGS)}")
+        flags += [SERVE_ROLE_FLAGS[role], count]
     return [*flags, "--cores-per-worker", "1"]
 
 
