@@ -7,7 +7,8 @@ how long it took in service (the engine step and sending its outputs, wall time)
 spent in ``ModelRunner.execute`` (what ``epdserve profile`` times; the rest is scheduling, output
 processing and sending), the worker's
 CPU time meanwhile (for a one-thread worker, wall minus CPU is time other processes held its
-core), its shape in the cost model's terms, the pool's free blocks after it and, with KV tiers,
+core), its shape in the cost model's terms and the prompts it computed tokens of, the pool's
+free blocks after it and, with KV tiers,
 the blocks held until their write-down to the tiers finishes. ``epdserve calibrate`` compares these steps with
 what an offline profile predicts for the same shapes (see ``planner/calibrate.py``).
 """
@@ -51,7 +52,9 @@ class StepTrace:
         wall_s, cpu_s = time.monotonic() - start, time.process_time() - cpu_start
         shape = StepShape.from_scheduler_output(plan)
         record = {"t": round(start, 6), "wall_s": round(wall_s, 6), "model_s": round(engine.last_model_s, 6),
-                  "cpu_s": round(cpu_s, 6), **shape.to_dict(), "free_blocks": engine.kv_cache.num_free_blocks()}
+                  "cpu_s": round(cpu_s, 6), **shape.to_dict(), "free_blocks": engine.kv_cache.num_free_blocks(),
+                  # prompts the step computed tokens of (the cost model's prefill terms do not count them)
+                  "num_prefill_seqs": sum(1 for e in plan.scheduled if e.start_pos < e.request.num_prompt_tokens)}
         if engine.kv_offload is not None:
             record["pinned_blocks"] = engine.kv_offload.num_pinned  # held until written to the KV tiers
         self._file.write(json.dumps(record) + "\n")
