@@ -345,8 +345,10 @@ def test_workers_trace_their_steps_and_calibrate_reads_them(pd_shm):
         # The pool's free blocks after each step (a running sequence holds some); no tiers, no pins.
         assert all(isinstance(r["free_blocks"], int) and r["free_blocks"] >= 0 for r in records)
         assert not any("pinned_blocks" in r for r in records)
-        # The prompts each step computed tokens of: one per prefill step here, none in decode's.
-        assert all(r["num_prefill_seqs"] == (1 if r["num_prefill_tokens"] else 0) for r in records)
+        # The prompts each step computed tokens of (the fixture's server has run other tests'
+        # requests too): some whenever a step computed prompt tokens, none otherwise.
+        assert all((r["num_prefill_seqs"] > 0) == (r["num_prefill_tokens"] > 0)
+                   and r["num_prefill_seqs"] <= r["num_prefill_tokens"] for r in records)
     # Calibrating a synthetic profile on them scales each role by its fitted factor for a step alone.
     cost = CostModel.from_dict(profile_dict())
     calibrated, result = calibrate(cost, pd_shm.step_trace_dir)
