@@ -107,10 +107,7 @@ class PeerPuller:
     def plan_pull(self, request: Request, num_cached_tokens: int) -> PeerPull | None:
         """The blocks from ``num_cached_tokens`` (the pool hit) to what the decode worker holds,
         when the rule says copying beats computing; None otherwise."""
-        if request.kv_target is None or not request.kv_target_block_ids:
-            return None
-        span = pull_span(num_cached_tokens, request.kv_target_num_cached, len(request.kv_target_block_ids[0]),
-                         self.block_size)
+        span = pull_span(request, num_cached_tokens, self.block_size)
         if span is None:
             return None
         link = self._link(request.kv_target)

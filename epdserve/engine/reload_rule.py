@@ -101,16 +101,25 @@ def max_cached_blocks(num_prompt_tokens: int, block_size: int) -> int:
     return (num_prompt_tokens - 1) // block_size if num_prompt_tokens > 0 else 0
 
 
-def pull_span(num_cached_tokens: int, num_target_cached_tokens: int, num_target_blocks: int,
-              block_size: int) -> tuple[int, int] | None:
+class PullTarget(Protocol):
+    """What a prefill request knows of its decode worker's reservation (``request.Request``)."""
+
+    kv_target: str | None
+    kv_target_block_ids: list[list[int]] | None
+    kv_target_num_cached: int
+
+
+def pull_span(request: PullTarget, num_cached_tokens: int, block_size: int) -> tuple[int, int] | None:
     """The blocks a prefill worker may copy from its decode worker's pages instead of computing
     them (``engine/kv_pull.py``; the simulator's prefill instances take the same span): (first,
     last) block indices, from the end of its own pool hit of ``num_cached_tokens`` to the end of
-    the ``num_target_cached_tokens`` the reservation (``num_target_blocks`` blocks) found cached
-    on decode; None when decode holds no more whole blocks."""
+    the prefix the reservation found cached on decode; None without a reservation or when decode
+    holds no more whole blocks."""
+    if request.kv_target is None or not request.kv_target_block_ids:
+        return None
     first = num_cached_tokens // block_size
-    last = num_target_cached_tokens // block_size
-    if last <= first or last >= num_target_blocks:
+    last = request.kv_target_num_cached // block_size
+    if last <= first or last >= len(request.kv_target_block_ids[0]):
         return None
     return first, last
 

@@ -41,10 +41,7 @@ class SimPeerPuller:
 
     def plan_pull(self, request: Request, num_cached_tokens: int) -> SimPull | None:
         """As ``PeerPuller.plan_pull``, without the pages."""
-        if request.kv_target is None or not request.kv_target_block_ids:
-            return None
-        span = pull_span(num_cached_tokens, request.kv_target_num_cached, len(request.kv_target_block_ids[0]),
-                         self.cost.block_size)
+        span = pull_span(request, num_cached_tokens, self.cost.block_size)
         if span is None or not self.is_same_host(request.kv_target):
             return None
         num_blocks = span[1] - span[0]

@@ -324,9 +324,9 @@ def find_knee(scale: Scale, probe: Callable[[float], dict], start_rate: float | 
         return level["goodput_share"] >= scale.knee_share
 
     knee = None
-    if kept(ladder[entry]) or entry == 0:
-        misses = 0 if probes[0]["goodput_share"] >= scale.knee_share else 1
-        knee = ladder[entry] if misses == 0 else None
+    first_kept = kept(ladder[entry])
+    if first_kept or entry == 0:
+        knee, misses = (ladder[entry], 0) if first_kept else (None, 1)
         for rate in ladder[entry + 1:]:
             if misses >= scale.knee_misses:
                 break
