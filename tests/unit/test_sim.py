@@ -503,6 +503,7 @@ def test_pd_decode_holds_the_prefix_and_only_the_delta_moves(tmp_path):
     num_pool_hit = 63 - prefill.puller.num_pulled_blocks  # X's head may survive in prefill's pool
     assert 0 <= num_pool_hit < 8
     assert prefill.scheduler.num_computed_prompt_tokens == 2 * 1024 + 16
+    assert prefill.kv_cache.is_all_free() and decode.kv_cache.num_used_blocks() == 0  # only the caches hold blocks
     # On two hosts nothing is copied (a worker copies over shared memory only): X is computed
     # again, and still only the 16 tokens decode lacks are sent.
     far, far_rec = run(profile, "prefill=1,decode=1", w)
