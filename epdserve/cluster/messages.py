@@ -29,6 +29,23 @@ class Msg(msgspec.Struct, tag=True, omit_defaults=True):
 # (KVEndpoint and SlabEndpoint, the descriptors a worker registers, live in the transfer layer.)
 
 
+class Load(msgspec.Struct):
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_used_blocks: int
+    num_reserved: int = 0  # decode: requests holding blocks while their KV arrives
+    num_transferring: int = 0  # prefill: requests holding blocks while their KV leaves
+    kv_bytes_sent: int = 0
+    kv_seconds_sent: float = 0.0
+    num_kv_writes_refused: int = 0  # KV layer writes a reservation fence refused (fence.py)
+    num_encoder_cache_hits: int = 0  # encode: images served from the embedding cache
+    num_encoder_cache_bytes: int = 0
+    # Measured prefill compute per prompt token (engine/reload_rule.py ``PrefillRate``); 0 until measured.
+    prefill_s_per_token: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+    num_used_state_slots: int = 0  # a recurrent model's requests holding a state slot
+
+
 class Register(Msg):
     worker_id: str
     role: Role
@@ -49,6 +66,9 @@ class Register(Msg):
     # Prompt tokens one step takes at most (0: not said): admission's bound on the lower-class
     # work a step in flight may hold (router/workers.py ``prefill_tokens_ahead``).
     max_num_batched_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0
+    # Its load as it registers (its pool's free blocks among them), so that a worker is never
+    # routed to on a blank report before its first heartbeat arrives.
+    load: Load | None = None
 
 
 class TierCost(msgspec.Struct, array_like=True):
@@ -57,23 +77,6 @@ class TierCost(msgspec.Struct, array_like=True):
     tier: Literal["host", "disk"]
     bytes_per_s: Annotated[float, msgspec.Meta(gt=0)]
     latency_s: Annotated[float, msgspec.Meta(ge=0)]
-
-
-class Load(msgspec.Struct):
-    num_running: int
-    num_waiting: int
-    num_free_blocks: int
-    num_used_blocks: int
-    num_reserved: int = 0  # decode: requests holding blocks while their KV arrives
-    num_transferring: int = 0  # prefill: requests holding blocks while their KV leaves
-    kv_bytes_sent: int = 0
-    kv_seconds_sent: float = 0.0
-    num_kv_writes_refused: int = 0  # KV layer writes a reservation fence refused (fence.py)
-    num_encoder_cache_hits: int = 0  # encode: images served from the embedding cache
-    num_encoder_cache_bytes: int = 0
-    # Measured prefill compute per prompt token (engine/reload_rule.py ``PrefillRate``); 0 until measured.
-    prefill_s_per_token: Annotated[float, msgspec.Meta(ge=0)] = 0.0
-    num_used_state_slots: int = 0  # a recurrent model's requests holding a state slot
 
 
 class Heartbeat(Msg):

@@ -118,7 +118,7 @@ class WorkerBase:
     # -- shared ---------------------------------------------------------------------------
     def _register(self, **fields: Any) -> m.Register:
         return m.Register(worker_id=self.worker_id, role=self.role, pid=os.getpid(), host=socket.gethostname(),
-                          node=this_node(), **fields)
+                          node=this_node(), load=self.load(), **fields)
 
     def _send(self, msg: m.Msg) -> None:
         """To the router; a router that stopped reading costs this message, never the loop

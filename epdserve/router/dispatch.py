@@ -118,6 +118,8 @@ class Dispatcher:
     def _on_register(self, msg: m.Register) -> None:
         old = self.registry.get(msg.worker_id)
         info = WorkerInfo(msg)
+        if msg.load is not None:
+            info.load = msg.load
         if old is not None and old.is_serving:
             self.mark_dead(msg.worker_id, "worker re-registered")
         elif old is not None and old.state is WorkerState.SUSPECT:
