@@ -53,6 +53,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--decode-num-kv-blocks", type=int, default=None, metavar="N",
                    help="KV blocks per group of decode workers (default: --num-kv-blocks / --kv-cache-memory): "
                         "decode holds every running sequence's whole context, prefill only the prompts in flight")
+    g.add_argument("--decode-no-prefix-caching", action="store_true",
+                   help="decode workers keep no prefix cache: every P/D request's whole prompt KV is sent, as "
+                        "when decode held nothing (prefill workers keep theirs unless --no-prefix-caching)")
     g.add_argument("--kv-transport", choices=TRANSPORTS, default="auto",
                    help="how prefill workers reach decode workers' KV pages: auto (shared memory on one node, "
                         "TCP between nodes), or always one of them")
@@ -164,6 +167,9 @@ def plan_workers(ns: argparse.Namespace) -> list[str]:
             raise ConfigError(f"{flag} must be at least 1")
     if ns.decode_num_kv_blocks is not None and (ns.decode_num_kv_blocks < 2 or not decode):
         raise ConfigError("--decode-num-kv-blocks takes at least 2 blocks, for decode workers")
+    if ns.decode_no_prefix_caching and (not decode or ns.role_switching != "off"):
+        raise ConfigError("--decode-no-prefix-caching is for decode workers that keep their role "
+                          "(without --role-switching)")
     tps = {Role.PREFILL: role_tp(ns, Role.PREFILL), Role.DECODE: role_tp(ns, Role.DECODE),
            Role.COLOCATED: ns.tensor_parallel_size}
     used = [tps[role] for role, count in ((Role.PREFILL, prefill), (Role.DECODE, decode), (Role.COLOCATED, colocated))
@@ -312,6 +318,8 @@ async def serve(ns: argparse.Namespace) -> int:
             role_extra = [*role_extra, "--tensor-parallel-size", str(role_tp(ns, role))]
         if role == Role.DECODE and ns.decode_num_kv_blocks is not None:
             role_extra = [*role_extra, "--num-kv-blocks", str(ns.decode_num_kv_blocks)]
+        if role == Role.DECODE and ns.decode_no_prefix_caching and not ns.no_prefix_caching:
+            role_extra = [*role_extra, "--no-prefix-caching"]
         if ray_workers is not None:
             ray_workers.start(worker_id, role, router.address, extra + role_extra, log_path)
             continue

@@ -68,6 +68,24 @@ def test_repeated_prefix_sends_only_the_uncached_blocks(tmp_path, transport):
         stop_server(server)
 
 
+def test_decode_without_a_prefix_cache_is_sent_the_whole_prompt_again(tmp_path):
+    """--decode-no-prefix-caching: the decode worker reuses nothing, so a repeated prompt's whole
+    KV is reserved and sent again, while the prefill worker still computes only the delta."""
+    server = start_server(SMALL + ["--decode-no-prefix-caching"], str(tmp_path))
+    try:
+        first = complete(server, PROMPT)
+        second = complete(server, PROMPT)
+        t1, t2 = first["timing"], second["timing"]
+        assert t2["num_cached_tokens"] == (len(PROMPT) - 1) // BLOCK_SIZE * BLOCK_SIZE
+        assert t2["num_decode_cached_tokens"] == 0 and t2["kv_bytes_skipped"] == 0
+        assert t2["kv_bytes"] == t1["kv_bytes"] > 0
+        assert second["choices"][0]["text"] == first["choices"][0]["text"]
+        assert metric(server, 'epdserve_prefix_cache_hit_tokens_total{role="decode"}') == 0
+        server.wait_all_blocks_free()
+    finally:
+        stop_server(server)
+
+
 def test_decode_cache_survives_while_prefill_recomputes(tmp_path):
     """Two paths of one request (n=2) share the decode worker's cached prefix, and a streamed
     request still hands the decode worker only the delta."""

@@ -21,10 +21,14 @@ from epdserve.bench.experiments.prefix_cache import (
     find_knee,
     merge_rounds,
     subset_stats,
+    arms_for,
+    serve_flags,
     summarize_level,
     topology_flags,
 )
 from epdserve.bench.experiments.prefix_cache_report import (
+    BEFORE,
+    before_lines,
     crossover_table,
     describe_machines,
     goals,
@@ -213,6 +217,23 @@ def test_topology_flags_give_serve_one_core_per_worker():
         topology_flags("encode=1,prefill=1,decode=1")
     with pytest.raises(BenchError, match="role=N"):
         topology_flags("prefill=x")
+
+
+def test_the_arm_before_the_decode_cache_runs_on_pd_only_and_is_a_second_baseline(tmp_path):
+    assert BEFORE not in arms_for("colocated=2")
+    assert arms_for("prefill=1,decode=1")[-1] == BEFORE
+    scale = _ladder(1.0)
+    assert "--decode-no-prefix-caching" in serve_flags("prefill=1,decode=1", BEFORE, scale, tmp_path)
+    assert "--decode-no-prefix-caching" not in serve_flags("prefill=1,decode=1", "least-prefill", scale, tmp_path)
+    level = {"request_rate": 3.0, "request_goodput": 1.0, "ttft_p99_ms": 2000.0}
+    levels = {"least-prefill": [level], BEFORE: [{**level, "request_goodput": 0.5}],
+              "prefix-aware+tiers": [{**level, "request_goodput": 0.9, "ttft_p99_ms": 1000.0}]}
+    [row] = goals(levels, baseline=BEFORE)
+    assert row["goodput_ratio"] == pytest.approx(1.8) and row["is_goodput_met"]
+    assert goals({"prefix-aware+tiers": levels["prefix-aware+tiers"]}, baseline=BEFORE) == []
+    text = "\n".join(before_lines({"goals_before": [row]}))
+    assert BEFORE in text and "1.8" in text
+    assert before_lines({}) == []
 
 
 def test_report_says_which_split_the_plan_chose():

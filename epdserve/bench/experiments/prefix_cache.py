@@ -12,6 +12,8 @@ usually evicted before its next turn arrives:
     least-prefill           least-prefill   none
     prefix-aware            prefix-aware    none
     prefix-aware+tiers      prefix-aware    host (shared memory) + disk
+    least-prefill-no-decode-cache (P/D only) least-prefill, none, and decode workers without a
+                            prefix cache: the P/D path before decode kept one, a second baseline
 
 on the split ``epdserve plan`` gives for this trace and SLO on this host: the experiment profiles
 the host (``epdserve profile``, every role at one thread), plans with a budget of one instance per
@@ -69,7 +71,7 @@ from epdserve.bench.experiments.launch import (
     start_server,
     stop_server,
 )
-from epdserve.bench.experiments.prefix_cache_report import BASELINE, NAME, build_report, goals, write_plots
+from epdserve.bench.experiments.prefix_cache_report import BASELINE, BEFORE, NAME, build_report, goals, write_plots
 from epdserve.bench.experiments.report import begin, write_outputs
 from epdserve.bench.traces import TRACE_BLOCK_TOKENS, TraceRecord, read_trace
 from epdserve.cluster.local import available_cores
@@ -79,11 +81,19 @@ TRACE_FILE = "mooncake_conversation.jsonl"
 BLOCK_SIZE = 16  # the engine's default --block-size
 HTTP_TIMEOUT_S = 300.0
 PINNED_LOAD_GBPS = "1000"  # a read bandwidth so high that the rule always loads
-ARMS = {  # name -> (routing, with tiers)
-    "least-prefill": ("least-prefill", False),
-    "prefix-aware": ("prefix-aware", False),
-    "prefix-aware+tiers": ("prefix-aware", True),
+ARMS = {  # name -> (routing, with tiers, decode workers keep a prefix cache)
+    "least-prefill": ("least-prefill", False, True),
+    "prefix-aware": ("prefix-aware", False, True),
+    "prefix-aware+tiers": ("prefix-aware", True, True),
+    # P/D only: the baseline as P/D served before decode kept a prefix cache (every request's
+    # whole prompt KV reserved on decode and sent to it).
+    BEFORE: ("least-prefill", False, False),
 }
+
+
+def arms_for(topology: str) -> list[str]:
+    """The arms a topology runs: the decode-cache arm only where there are decode workers."""
+    return [arm for arm in ARMS if arm != BEFORE or "decode=" in topology]
 SERVE_ROLE_FLAGS = {"colocated": "--colocated-workers", "prefill": "--prefill-workers", "decode": "--decode-workers"}
 
 
@@ -221,11 +231,13 @@ def subset_stats(records: list[TraceRecord], scale: Scale) -> dict:
 
 
 def serve_flags(topology: str, arm: str, scale: Scale, disk_dir: Path) -> list[str]:
-    routing, with_tiers = ARMS[arm]
+    routing, with_tiers, decode_cache = ARMS[arm]
     flags = [*topology_flags(topology), "--routing", routing, "--num-kv-blocks", str(scale.num_kv_blocks),
              "--max-model-len", str(scale.max_model_len)]
     if "--decode-workers" in flags:
         flags += ["--decode-num-kv-blocks", str(scale.decode_num_kv_blocks)]
+        if not decode_cache:
+            flags.append("--decode-no-prefix-caching")
     if with_tiers:
         flags += ["--kv-host-tier-gib", f"{scale.host_tier_gib:g}", "--kv-disk-tier-gib", f"{scale.disk_tier_gib:g}",
                   "--kv-disk-tier-dir", str(disk_dir)]
@@ -504,7 +516,7 @@ def run(out_dir: Path, quick: bool) -> str:
 
     knee = find_knee(scale, probe, split["predicted_max_rate"])
     durations = tuple(round(stats["num_requests"] / (m * knee["rate"]), 3) for m in scale.rate_multiples)
-    arms = list(ARMS)
+    arms = arms_for(topology)
     rounds = []
     for k in range(scale.rounds):  # the arms rotate, so no arm always runs first or last in a round
         order = arms[k % len(arms):] + arms[:k % len(arms)]
@@ -519,6 +531,7 @@ def run(out_dir: Path, quick: bool) -> str:
                "knee": knee, "trace": trace_results,
                "goals": goals(trace_results[topology]),
                "goals_by_round": [goals(levels) for levels in rounds], "rounds": rounds,
+               "goals_before": goals(trace_results[topology], baseline=BEFORE),
                "crossover": crossover, "commands": commands}
     plots = write_plots(results, out_dir)
     report = build_report(results, experiment, [p.name for p in plots])
