@@ -224,7 +224,8 @@ def _verdict(split: Capacity | None, colocated: Capacity | None) -> tuple[dict, 
     if split is None or colocated is None:
         only = split or colocated
         kind = "split" if split else "colocated"
-        return {"choice": kind, "reason": f"only {kind} configurations meet the SLO"}, only
+        return {"choice": kind, "reason": f"only {kind} configurations meet the SLO",
+                "configuration": only.candidate.to_dict()}, only
     a, b = split.goodput_per_instance, colocated.goodput_per_instance
     chosen, kind = (split, "split") if a > b else (colocated, "colocated")
     ratio = max(a, b) / min(a, b) if min(a, b) > 0 else float("inf")

@@ -92,8 +92,11 @@ def test_greedy_identical_colocated_e_colocated_epd(e_colocated, tmp_path):
         in_process.wait_all_blocks_free()
     finally:
         stop_server(in_process)
-    for name, extra in (("epd", []), ("epd_tcp", ["--embed-transport", "tcp", "--kv-transport", "tcp"]),
-                        ("epd_unpipelined", ["--no-encode-pipeline"])):
+    # Pipelined over shared memory, then unpipelined over TCP (both transports and both prefill
+    # paths, in two servers).
+    for name, extra in (("epd", []),
+                        ("epd_tcp_unpipelined", ["--embed-transport", "tcp", "--kv-transport", "tcp",
+                                                 "--no-encode-pipeline"])):
         epd = start_server(EXACT + ["--encode-workers", "1", "--prefill-workers", "1", "--decode-workers", "1", *extra],
                            str(tmp_path / name))
         try:

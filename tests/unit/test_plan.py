@@ -196,3 +196,15 @@ def test_plan_cli_bad_input_exits_2(tmp_path, capsys, args, message):
     code = main(["plan", "--profile", str(path), "--workload", "random", *args])
     err = capsys.readouterr().err
     assert code == 2 and message in err and err.count("\n") == 1
+
+
+def test_a_verdict_names_its_configuration_when_only_one_kind_meets_the_slo():
+    from epdserve.planner.capacity import Capacity
+    from epdserve.planner.planning import _verdict
+
+    split = Capacity(Candidate(Topology(num_prefill=1, num_decode=1)), 0.25, None, 6)
+    verdict, chosen = _verdict(split, None)
+    assert chosen is split and verdict["choice"] == "split"
+    assert verdict["configuration"]["topology"] == split.candidate.topology.spec
+    assert _verdict(None, None) == ({"choice": "none", "reason": "no configuration meets the SLO at any simulated rate"},
+                                    None)

@@ -149,15 +149,16 @@ class Scale:
     quick_profile: bool = False  # epdserve profile --quick (rough numbers, seconds)
 
 
-# Rates: a knee probe of the baseline (``find_knee``) on a ladder from 0.8 req/s up by about 1.2x,
-# entered at the plan's predicted rate; the arms at 1.15, 1.3 and 1.5x the knee (fixed rates tuned on one day's host were all past the
+# Rates: a knee probe of the baseline (``find_knee``) on a ladder from 0.1 req/s up by about 1.2x
+# (a host without a fast bf16 matmul, e.g. AVX-512 without AMX, prefills ~5x slower: 1P1D's
+# predicted knee 0.26 req/s against 4.4 on AMX), entered at the plan's predicted rate; the arms at 1.15, 1.3 and 1.5x the knee (fixed rates tuned on one day's host were all past the
 # knee on a slower day). The decode worker's pool is small for the trace (512 blocks, about 20
 # conversations' contexts): the memory-pressed regime the tiers are for; with 2048 blocks the
 # decode worker's own prefix cache, pulled from by the prefill worker, served 69 % of prompt
 # tokens without tiers and the tiers added 5 %. TPOT SLO 200 ms: five times a one-sequence decode
 # step (38-40 ms in the decode worker's step trace here; sim_fidelity's rule): a burst of the
 # trace puts 20-30 sequences on the decode worker's one core, 75-105 ms a step, in every arm.
-FULL = Scale(32, 4, 9600, 0.1, (0.8, 1.0, 1.2, 1.4, 1.6, 1.9, 2.3, 2.8, 3.3, 4.0, 4.8, 5.8, 7.0), 1000.0, 200.0,
+FULL = Scale(32, 4, 9600, 0.1, (0.1, 0.12, 0.15, 0.18, 0.22, 0.27, 0.33, 0.4, 0.5, 0.6, 0.7, 0.8, 1.0, 1.2, 1.4, 1.6, 1.9, 2.3, 2.8, 3.3, 4.0, 4.8, 5.8, 7.0), 1000.0, 200.0,
              128, 512, 0.25, 1.0, 2048, (32, 64, 128, 256, 512, 1024, 1536), 3, rounds=2,
              rate_multiples=(1.15, 1.3, 1.5))
 QUICK = Scale(3, 4, 9600, 0.05, (0.8,), 20000.0, 2000.0, 64, 128, 0.1, 0.2, 1024, (32, 128), 1, quick_profile=True)
@@ -477,6 +478,9 @@ def plan_split(scale: Scale, subset: Path, out_dir: Path, commands: list[str]) -
                              "--max-model-len", str(max_model_len), "--out", str(plan_path)), commands)
     result = json.loads(plan_path.read_text(encoding="utf-8"))
     verdict = result["verdict"]
+    if "configuration" not in verdict:
+        raise BenchError(f"epdserve plan found no configuration for the trace on this host ({verdict['reason']}); "
+                         f"see {plan_path}")
     topology = verdict["configuration"]["topology"]
     chosen = [c for c in result.get("candidates", []) if c.get("topology") == topology]
     predicted = max((c.get("max_rate", 0.0) for c in chosen), default=0.0) or result.get("max_rate") or None
