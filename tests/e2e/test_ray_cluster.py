@@ -20,6 +20,7 @@ import pytest
 from serving import SMALL, Server, start_server, stop_server
 
 from epdserve.cluster.ray_cluster import ROLE_LABEL
+from epdserve.transfer.shm_pool import unlink_segments_of
 
 ray = pytest.importorskip("ray", reason="the ray extra is not installed (pip install -e '.[ray]')")
 from ray.cluster_utils import Cluster  # noqa: E402
@@ -127,6 +128,9 @@ def test_a_lost_node_fails_only_its_requests_and_its_worker_rejoins(cluster, tmp
         cluster.remove_node(victim_node)  # its raylet and every process on it
         for t in threads:
             t.join(120)
+        # A lost machine takes its shared memory with it; the emulated node shares this host's
+        # /dev/shm, where the killed worker's KV pool and fence would stay: gone with the node too.
+        unlink_segments_of(victim["pid"])
         errored = [e for e in streams if any('"error"' in d for _, d in e)]
         finished = [e for e in streams if e and e[-1][1] == "[DONE]" and e not in errored]
         assert errored and finished and len(errored) + len(finished) == 4
