@@ -28,6 +28,7 @@ import httpx
 import numpy as np
 
 from epdserve.bench.experiments.launch import auth_headers, start_server, stop_server
+from epdserve.engine.step_shape import StepShape
 from epdserve.sim.cost_model import CostModel
 
 NUM_DECODE_CLIENTS = 8
@@ -93,8 +94,7 @@ def main() -> None:
         lo, hi = spans[span]
         rows = [r for r in records if lo <= r["t"] < hi and r["num_prefill_tokens"] == num_tokens]
         model_s = np.median([r["model_s"] for r in rows])
-        predicted = np.median([step.base_s + step.per_prefill_token_s * r["num_prefill_tokens"]
-                               + step.per_prefill_attn_pair_s * r["prefill_attn_pairs"] for r in rows])
+        predicted = np.median([step.time_s(StepShape.from_dict(r)) for r in rows])
         print(f"{name}: {len(rows)} steps, model {model_s * 1e3:.1f} ms, profile {predicted * 1e3:.1f} ms: "
               f"{model_s / predicted:.2f}x", flush=True)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from epdserve.errors import ConfigError
-from epdserve.roles import Role
+from epdserve.roles import Role, parse_role_counts
 
 ROLES = (Role.ENCODE, Role.PREFILL, Role.DECODE, Role.COLOCATED)
 
@@ -61,24 +61,5 @@ class Topology:
 
 def parse_topology(spec: str) -> Topology:
     """``role=N`` pairs separated by commas; roles: encode, prefill, decode, colocated."""
-    text = (spec or "").strip()
-    if not text:
-        raise ConfigError("topology is empty: give e.g. colocated=4 or prefill=2,decode=6")
-    counts: dict[str, int] = {}
-    for part in text.split(","):
-        role, sep, value = part.strip().partition("=")
-        role = role.strip()
-        if not sep:
-            raise ConfigError(f"topology entry {part.strip()!r} is not role=N")
-        if role not in ROLES:
-            raise ConfigError(f"topology: unknown role {role!r} (roles: {', '.join(ROLES)})")
-        if role in counts:
-            raise ConfigError(f"topology: role {role!r} given twice")
-        try:
-            n = int(value.strip())
-        except ValueError:
-            raise ConfigError(f"topology: {role} count {value.strip()!r} is not an integer") from None
-        if n <= 0:
-            raise ConfigError(f"topology: {role} count must be positive, got {n}")
-        counts[role] = n
+    counts = parse_role_counts(spec)
     return Topology(**{f"num_{role}": n for role, n in counts.items()})

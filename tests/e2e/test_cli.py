@@ -72,3 +72,11 @@ def test_serve_with_a_bad_device_fails_before_starting_workers():
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "device" in lines[0] and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("layout", [["--colocated-workers", "1"], ["--role-switching", "manual"]])
+def test_decode_no_prefix_caching_without_fixed_decode_workers_is_one_line_error(layout):
+    proc = run("serve", "--port", "0", "--decode-no-prefix-caching", *layout, timeout=120)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--decode-no-prefix-caching" in lines[0] and "Traceback" not in proc.stderr

@@ -76,6 +76,8 @@ from epdserve.bench.experiments.report import begin, write_outputs
 from epdserve.bench.traces import TRACE_BLOCK_TOKENS, TraceRecord, read_trace
 from epdserve.cluster.local import available_cores
 from epdserve.envs import EPDSERVE_TRACES_DIR, get_traces_dir
+from epdserve.errors import ConfigError
+from epdserve.roles import Role, parse_role_counts
 
 TRACE_FILE = "mooncake_conversation.jsonl"
 BLOCK_SIZE = 16  # the engine's default --block-size
@@ -93,21 +95,20 @@ ARMS = {  # name -> (routing, with tiers, decode workers keep a prefix cache)
 
 def arms_for(topology: str) -> list[str]:
     """The arms a topology runs: the decode-cache arm only where there are decode workers."""
-    return [arm for arm in ARMS if arm != BEFORE or "decode=" in topology]
+    return [arm for arm in ARMS if arm != BEFORE or Role.DECODE in parse_role_counts(topology)]
 SERVE_ROLE_FLAGS = {"colocated": "--colocated-workers", "prefill": "--prefill-workers", "decode": "--decode-workers"}
 
 
 def topology_flags(spec: str) -> list[str]:
     """serve's flags for a topology as ``epdserve plan`` names it (``colocated=2``,
     ``prefill=2,decode=1``), one core per worker."""
-    flags = []
-    for part in spec.split(","):
-        role, _, count = part.partition("=")
-        if role == "encode":
-            raise BenchError(f"prefix-cache serves text only; the topology {spec!r} has encode workers")
-        if role not in SERVE_ROLE_FLAGS or not count.isdigit() or int(count) < 1:
-            raise BenchError(f"topology {spec!r}: want role=N pairs of {', '.join(SERVE_ROLE_FLAGS)}")
-        flags += [SERVE_ROLE_FLAGS[role], count]
+    try:
+        counts = parse_role_counts(spec)
+    except ConfigError as e:
+        raise BenchError(f"topology {spec!r}: want role=N pairs ({e})") from None
+    if Role.ENCODE in counts:
+        raise BenchError(f"prefix-cache serves text only; the topology {spec!r} has encode workers")
+    flags = [f for role, n in counts.items() for f in (SERVE_ROLE_FLAGS[role], str(n))]
     return [*flags, "--cores-per-worker", "1"]
 
 
@@ -158,7 +159,9 @@ class Scale:
 # tokens without tiers and the tiers added 5 %. TPOT SLO 200 ms: five times a one-sequence decode
 # step (38-40 ms in the decode worker's step trace here; sim_fidelity's rule): a burst of the
 # trace puts 20-30 sequences on the decode worker's one core, 75-105 ms a step, in every arm.
-FULL = Scale(32, 4, 9600, 0.1, (0.1, 0.12, 0.15, 0.18, 0.22, 0.27, 0.33, 0.4, 0.5, 0.6, 0.7, 0.8, 1.0, 1.2, 1.4, 1.6, 1.9, 2.3, 2.8, 3.3, 4.0, 4.8, 5.8, 7.0), 1000.0, 200.0,
+PROBE_RATES = (0.1, 0.12, 0.15, 0.18, 0.22, 0.27, 0.33, 0.4, 0.5, 0.6, 0.7, 0.8, 1.0, 1.2, 1.4, 1.6, 1.9, 2.3, 2.8,
+               3.3, 4.0, 4.8, 5.8, 7.0)
+FULL = Scale(32, 4, 9600, 0.1, PROBE_RATES, 1000.0, 200.0,
              128, 512, 0.25, 1.0, 2048, (32, 64, 128, 256, 512, 1024, 1536), 3, rounds=2,
              rate_multiples=(1.15, 1.3, 1.5))
 QUICK = Scale(3, 4, 9600, 0.05, (0.8,), 20000.0, 2000.0, 64, 128, 0.1, 0.2, 1024, (32, 128), 1, quick_profile=True)
