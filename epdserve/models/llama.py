@@ -19,8 +19,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from epdserve.models.layers.activation import get_gated_activation
-from epdserve.models.layers.attention import Attention
+from epdserve.models.layers import paged_attention_cpu
+from epdserve.models.layers.activation import SiluAndMul, get_gated_activation
+from epdserve.models.layers.attention import Attention, AttentionMetadata, get_forward_context
 from epdserve.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from epdserve.models.layers.linear import (
     MergedColumnParallelLinear,
@@ -28,6 +29,7 @@ from epdserve.models.layers.linear import (
     QKVParallelLinear,
     RowParallelLinear,
 )
+from epdserve.models.layers.packed_linear import padded_rows
 from epdserve.models.layers.norm import QKNorm, RMSNorm
 from epdserve.models.layers.rotary import RopeConfig, RotaryEmbedding, apply_rotary
 from epdserve.models.spec import ModelSpec
@@ -189,8 +191,23 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    """The decoder layers between the embeddings and the LM head.
+
+    A step of single-token sequences (a decode step) on the CPU runs all layers in one call of
+    the CPU extension (``paged_attention_cpu.decode_layers``: the same operations on the same
+    kernels, so the same output, without the per-layer Python that cost a batch-1 step more
+    than its attention) where it can: one tensor-parallel rank, the extension built, SwiGLU,
+    K/V pages in the model's dtype and no per-layer KV hook. ``fuse_decode = False`` keeps every
+    step on the layers' Python.
+    """
+
+    fuse_decode = True
+
     def __init__(self, spec: ModelSpec, config: LlamaConfig, placement: Placement) -> None:
         super().__init__()
+        self.tp_size = placement.tp_size
+        self.eps = config.rms_norm_eps
+        self._fused: _FusedDecoder | None = None
         self.embed_tokens = VocabParallelEmbedding(
             spec.vocab_size, spec.hidden_size, **placement.parallel_args
         )
@@ -204,10 +221,92 @@ class LlamaModel(nn.Module):
 
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         cos_sin = self.rotary_emb.cos_sin(positions)
+        meta = get_forward_context()
+        if meta is not None and self.fuse_decode:
+            fused = self._fused_decode(hidden, cos_sin, meta)
+            if fused is not None:
+                return fused
         residual = None
         for layer in self.layers:
             hidden, residual = layer(hidden, residual, cos_sin)
         return self.norm(hidden) if residual is None else self.norm.add_forward(hidden, residual)[0]
+
+    def _fused_params(self) -> _FusedDecoder | None:
+        """What ``decode_layers`` takes besides the step's inputs; None where the layers cannot
+        run fused (an activation other than SwiGLU, packed and plain weights mixed). Rebuilt
+        when a weight is packed again."""
+        if self._fused is None or not self._fused.current():
+            self._fused = _FusedDecoder.of(self)
+        return self._fused if self._fused.usable else None
+
+    def _fused_decode(
+        self, hidden: torch.Tensor, cos_sin: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor | None:
+        """The decoder's output for a decode step run in one extension call, or None where the
+        step must take the layers' Python (see the class)."""
+        batch = meta.num_decode_seqs
+        if not (batch and batch == len(meta.query_lens) and meta.on_layer_written is None and self.tp_size == 1
+                and hidden.dim() == 2 and hidden.shape[0] == batch and hidden.is_contiguous()
+                and hidden.device.type == "cpu" and hidden.dtype in paged_attention_cpu.SUPPORTED_DTYPES
+                and cos_sin.dtype == hidden.dtype and paged_attention_cpu.is_available()):
+            return None
+        fused = self._fused_params()
+        if fused is None:
+            return None
+        caches = [meta.kv_caches[i] for i in fused.layer_idxs]
+        if not all(c.dtype == hidden.dtype and c.is_contiguous() for c in caches):
+            return None
+        return paged_attention_cpu.decode_layers(
+            hidden, cos_sin, fused.params, caches, [g.slot_mapping for g in meta.groups],
+            [g.block_tables for g in meta.groups], [meta.layer_to_group[i] for i in fused.layer_idxs],
+            fused.windows, meta.decode_context_lens, self.norm.weight, fused.num_heads, fused.num_kv_heads,
+            fused.head_dim, fused.scale, self.eps, fused.packed, padded_rows(batch),
+        )
+
+
+@dataclass
+class _FusedDecoder:
+    """A ``LlamaModel``'s layers as ``paged_attention_cpu.decode_layers`` takes them."""
+
+    linears: list[nn.Module]  # every layer's qkv, o, gate_up and down projections
+    packed_ids: tuple[int, ...]  # their packed weights when this was built
+    usable: bool
+    packed: bool
+    params: list[torch.Tensor]
+    layer_idxs: list[int]
+    windows: list[int]
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scale: float
+
+    @classmethod
+    def of(cls, model: LlamaModel) -> _FusedDecoder:
+        layers = list(model.layers)
+        linears = [m for layer in layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                    layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+        packed = {m.packed_weight is not None for m in linears}
+        usable = len(packed) == 1 and all(isinstance(layer.mlp.act_fn, SiluAndMul) for layer in layers)
+        none = torch.empty(0)
+
+        def weights(m: nn.Module) -> list[torch.Tensor]:
+            w = m.packed_weight if m.packed_weight is not None else m.weight
+            return [w, m.bias if m.bias is not None else none]
+
+        params: list[torch.Tensor] = []
+        for layer in layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            params += [layer.input_layernorm.weight, *weights(attn.qkv_proj),
+                       attn.qk_norm.weight if attn.qk_norm is not None else none, *weights(attn.o_proj),
+                       layer.post_attention_layernorm.weight, *weights(mlp.gate_up_proj), *weights(mlp.down_proj)]
+        attns = [layer.self_attn.attn for layer in layers]
+        return cls(linears, tuple(id(m.packed_weight) for m in linears), usable, packed == {True}, params,
+                   [a.layer_idx for a in attns], [a.sliding_window or 0 for a in attns], attns[0].num_heads,
+                   attns[0].num_kv_heads, attns[0].head_dim, attns[0].scale)
+
+    def current(self) -> bool:
+        """No projection's packed weight has changed since this was built."""
+        return all(id(m.packed_weight) == i for m, i in zip(self.linears, self.packed_ids))
 
 
 class CausalLM(nn.Module):

@@ -97,6 +97,46 @@ def test_tiny_hf_directory_matches_transformers(
         assert loaded.spec.sliding_windows == (5, None, 5)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3"])
+def test_decode_steps_in_one_kernel_call_decode_as_the_layers_do(
+    model_type: str, dtype: str, tmp_path: Path, tokenizer_files: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Llama-family decode step run by the CPU extension's decode_layers (plain, with a qkv
+    bias, with per-head q/k norms; bf16 weights packed for oneDNN, float32 plain) gives the same
+    tokens and log-probabilities as the layers' Python, including a batch above the exact-row
+    limit of the packed matmuls (70 sequences)."""
+    from epdserve.config import EngineArgs
+    from epdserve.engine.engine import LLMEngine
+    from epdserve.models.layers import paged_attention_cpu
+    from epdserve.models.llama import LlamaModel
+    from epdserve.sampling import SamplingParams
+
+    if not paged_attention_cpu.is_available():
+        pytest.skip("the CPU extension could not be built here")
+    _save_tiny_model(model_type, tmp_path / "tiny", tokenizer_files)
+    engine = LLMEngine(EngineArgs(model=str(tmp_path / "tiny"), dtype=dtype, kv_cache_memory_gib=0.05,
+                                  enable_prefix_caching=False))
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, VOCAB_SIZE, (int(n),), generator=gen).tolist()
+               for n in torch.randint(1, 40, (70,), generator=gen)]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=2)
+    fused_calls = []
+    kernel = paged_attention_cpu.decode_layers
+    monkeypatch.setattr(paged_attention_cpu, "decode_layers", lambda *a: fused_calls.append(a[0].shape[0]) or kernel(*a))
+
+    def run() -> list[tuple[list[int], list]]:
+        return [(c.token_ids, c.logprobs) for (c,) in engine.generate(prompts, params)]
+
+    fused = run()
+    assert 70 in fused_calls, f"decode steps of the whole batch did not run fused: {fused_calls}"
+    monkeypatch.setattr(LlamaModel, "fuse_decode", False)
+    fused_calls.clear()
+    layer_by_layer = run()
+    assert not fused_calls
+    assert fused == layer_by_layer
+
+
 def test_bfloat16_load_runs(tmp_path: Path, tokenizer_files: Path) -> None:
     _save_tiny_model("qwen3", tmp_path / "tiny", tokenizer_files)
     loaded = load_model(str(tmp_path / "tiny"), torch.bfloat16, torch.device("cpu"))

@@ -142,11 +142,12 @@ def test_engine_greedy_same_with_and_without_kernel(monkeypatch) -> None:
     texts = PROMPTS[:8]
     prompts = [engine.encode_prompt(t) for t in texts]
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
-    kernel = paged_attention_cpu.paged_decode_attention
     calls = []
-    monkeypatch.setattr(
-        paged_attention_cpu, "paged_decode_attention", lambda *a: calls.append(1) or kernel(*a)
-    )
+    # The kernel runs from Python (a step with prompt tokens) or inside decode_layers (a decode
+    # step of the Llama family's layers in one extension call).
+    for name in ("paged_decode_attention", "decode_layers"):
+        kernel = getattr(paged_attention_cpu, name)
+        monkeypatch.setattr(paged_attention_cpu, name, lambda *a, kernel=kernel: calls.append(1) or kernel(*a))
     with_kernel = [c.token_ids for (c,) in engine.generate(prompts, params)]
     assert calls, "the decode steps did not use the kernel"
     monkeypatch.setenv(envs.EPDSERVE_DISABLE_CPU_KERNELS, "1")

@@ -840,3 +840,91 @@ void apply_token_bitmask_(at::Tensor& logits, const at::Tensor& bitmask, const a
     }
   });
 }
+
+// --- A decode step's decoder layers in one call (Llama family). ---------------------------------
+//
+// The same operations, in the same order and on the same kernels, as LlamaDecoderLayer.forward
+// over a batch of single-token sequences, without a Python call per operator: the per-layer
+// Python and module dispatch of 30 layers cost a batch-1 step more time than its attention.
+// layers.py-side checks (llama.py, LlamaModel.fused_decode) decide when it applies; the checks here
+// guard the memory the kernels touch.
+namespace {
+
+constexpr int64_t kParamsPerLayer = 11;  // see decode_layers
+
+at::Tensor fused_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, bool packed,
+                        int64_t rows) {
+  std::optional<at::Tensor> b;
+  if (bias.numel()) b = bias;
+  if (!packed) return at::linear(x, weight, b);
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                                         c10::string_view, c10::List<std::optional<at::Scalar>>,
+                                         std::optional<c10::string_view>)>();
+  const int64_t n = x.size(0);
+  const at::Tensor in = rows == n ? x : at::constant_pad_nd(x, {0, 0, 0, rows - n});
+  at::Tensor out = op.call(in, weight, b, "none", c10::List<std::optional<at::Scalar>>(), c10::string_view(""));
+  return rows == n ? out : out.narrow(0, 0, n);
+}
+
+}  // namespace
+
+// hidden [B, hidden] (the step's token embeddings, overwritten) -> the final norm's output
+// [B, hidden]. Per layer, kParamsPerLayer tensors in ``params`` (an empty tensor: absent):
+// input norm, qkv weight, qkv bias, qk-norm weight [H + KVH, D], o weight, o bias,
+// post-attention norm, gate_up weight, gate_up bias, down weight, down bias. Weights are oneDNN
+// packed where ``packed`` (run with ``linear_rows`` rows, the batch padded), plain otherwise.
+// caches[l] [2, blocks, block_size, KVH, D]; slot_mappings / block_tables per KV group;
+// layer_to_group and sliding_windows (0: none) per layer; context_lens [B] int64.
+at::Tensor decode_layers(at::Tensor hidden, const at::Tensor& cos_sin, const std::vector<at::Tensor>& params,
+                         const std::vector<at::Tensor>& caches, const std::vector<at::Tensor>& slot_mappings,
+                         const std::vector<at::Tensor>& block_tables, const std::vector<int64_t>& layer_to_group,
+                         const std::vector<int64_t>& sliding_windows, const at::Tensor& context_lens,
+                         const at::Tensor& final_norm, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                         double scale, double eps, bool packed, int64_t linear_rows) {
+  check_cpu(hidden, "hidden");
+  const int64_t num_layers = static_cast<int64_t>(caches.size());
+  TORCH_CHECK(num_layers > 0 && static_cast<int64_t>(params.size()) == num_layers * kParamsPerLayer &&
+                  static_cast<int64_t>(layer_to_group.size()) == num_layers &&
+                  static_cast<int64_t>(sliding_windows.size()) == num_layers,
+              "per-layer arguments do not match the layer count");
+  TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous(), "hidden must be contiguous [B, hidden]");
+  const int64_t batch = hidden.size(0);
+  TORCH_CHECK(linear_rows >= batch, "linear_rows below the batch");
+  const int64_t qk_width = (num_heads + num_kv_heads) * head_dim;
+  at::Tensor residual;
+  for (int64_t layer = 0; layer < num_layers; ++layer) {
+    const at::Tensor* p = params.data() + layer * kParamsPerLayer;
+    if (layer == 0) {
+      residual = hidden;
+      hidden = rms_norm(hidden, p[0], eps);
+    } else {
+      add_rms_norm_(hidden, residual, p[0], eps);
+    }
+    const at::Tensor qkv = fused_linear(hidden, p[1], p[2], packed, linear_rows);
+    TORCH_CHECK(qkv.size(1) == qk_width + num_kv_heads * head_dim, "qkv width does not match the heads");
+    at::Tensor qk = qkv.narrow(1, 0, qk_width).view({batch, num_heads + num_kv_heads, head_dim});
+    const at::Tensor v = qkv.narrow(1, qk_width, num_kv_heads * head_dim).view({batch, num_kv_heads, head_dim});
+    if (p[3].numel()) qk = at::rms_norm(qk, {head_dim}, std::nullopt, eps).mul_(p[3]);
+    rotary_(qk, cos_sin);
+    const at::Tensor& cache = caches[layer];
+    TORCH_CHECK(cache.dim() == 5 && cache.size(0) == 2 && cache.scalar_type() == hidden.scalar_type(),
+                "cache must be [2, blocks, block_size, KVH, D] in the model's dtype");
+    const int64_t group = layer_to_group[layer];
+    TORCH_CHECK(group >= 0 && group < static_cast<int64_t>(slot_mappings.size()) &&
+                    group < static_cast<int64_t>(block_tables.size()),
+                "layer_to_group names a missing group");
+    const at::Tensor& slots = slot_mappings[group];
+    cache.select(0, 0).view({-1, num_kv_heads, head_dim}).index_copy_(0, slots, qk.narrow(1, num_heads, num_kv_heads));
+    cache.select(0, 1).view({-1, num_kv_heads, head_dim}).index_copy_(0, slots, v);
+    const at::Tensor attn = paged_decode_attention(qk.narrow(1, 0, num_heads), cache, block_tables[group],
+                                                   context_lens, scale, sliding_windows[layer]);
+    at::Tensor out = fused_linear(attn.view({batch, num_heads * head_dim}), p[4], p[5], packed, linear_rows);
+    add_rms_norm_(out, residual, p[6], eps);
+    const at::Tensor gate_up = fused_linear(out, p[7], p[8], packed, linear_rows);
+    hidden = fused_linear(silu_and_mul(gate_up), p[9], p[10], packed, linear_rows);
+  }
+  add_rms_norm_(hidden, residual, final_norm, eps);
+  return hidden;
+}

@@ -23,6 +23,10 @@ and ``add_rms_norm_`` (the residual add and the next norm in one pass; layers/no
 ``silu_and_mul`` (layers/activation.py) and ``rotary_`` (in place, layers/rotary.py). Each
 replaces several torch ops (RMSNorm alone was about eight) and rounds where they round, so the
 output is the same; small calls (a decode step's rows) run on the calling thread.
+
+``decode_layers`` runs a Llama-family decoder's layers over a batch of single-token sequences
+in one call (the same operations on the same kernels as the layers' Python, which a batch-1
+step spent more time in than in its attention); ``llama.LlamaModel`` decides when it applies.
 """
 
 from __future__ import annotations
@@ -91,7 +95,7 @@ def _load() -> ModuleType | None:
                 name=name,
                 cpp_sources=[source],
                 functions=["paged_decode_attention", "rms_norm", "add_rms_norm_", "silu_and_mul", "rotary_",
-                           "argmax_rows", "apply_token_bitmask_"],
+                           "argmax_rows", "apply_token_bitmask_", "decode_layers"],
                 # -fopenmp: at::parallel_for is header code that runs serially without it; the
                 # extension then shares torch's bundled OpenMP runtime (same soname).
                 # -ffp-contract=off: a * b + c stays two roundings, as in the torch ops the
@@ -208,3 +212,28 @@ def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor, rows: torc
     module = _load()
     assert module is not None, "apply_token_bitmask_ called without is_available()"
     module.apply_token_bitmask_(logits, bitmask, rows)
+
+
+# Per layer, the tensors decode_layers takes (its C++ comment names them; an empty tensor: absent).
+DECODE_LAYER_PARAMS = 11
+
+
+def decode_layers(
+    hidden: torch.Tensor, cos_sin: torch.Tensor, params: list[torch.Tensor], caches: list[torch.Tensor],
+    slot_mappings: list[torch.Tensor], block_tables: list[torch.Tensor], layer_to_group: list[int],
+    sliding_windows: list[int], context_lens: torch.Tensor, final_norm: torch.Tensor, num_heads: int,
+    num_kv_heads: int, head_dim: int, scale: float, eps: float, packed: bool, linear_rows: int,
+) -> torch.Tensor:
+    """A Llama-family decoder over B single-token sequences: hidden [B, hidden] (the token
+    embeddings, overwritten) -> the final norm's output [B, hidden], writing each layer's K and
+    V into its pages as ``Attention`` does. ``params``: DECODE_LAYER_PARAMS tensors per layer
+    (input norm, qkv weight and bias, qk-norm weight, o weight and bias, post-attention norm,
+    gate_up weight and bias, down weight and bias); weights oneDNN-packed where ``packed``, whose
+    matmuls run on ``linear_rows`` rows (``packed_linear.padded_rows``). Requires
+    ``is_available()``."""
+    module = _load()
+    assert module is not None, "decode_layers called without is_available()"
+    return module.decode_layers(
+        hidden, cos_sin, params, caches, slot_mappings, block_tables, layer_to_group, sliding_windows,
+        context_lens, final_norm, num_heads, num_kv_heads, head_dim, float(scale), float(eps), packed, linear_rows,
+    )
