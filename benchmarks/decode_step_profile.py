@@ -1,11 +1,16 @@
 """Where a decode step's time goes: the engine's default model decoding one sequence (or a
 batch), its steps timed bare and then under torch's profiler, with the operators' share.
 
-    python benchmarks/decode_step_profile.py [--batch 1] [--steps 40] [--json OUT]
+    python benchmarks/decode_step_profile.py [--batch 1] [--steps 40] [--rounds 10] [--json OUT]
 
 Prints the median step without the profiler, the median under it (the profiler's own cost
 shows as the difference), and per operator its time per step; the extension's kernels are not
 torch operators and fall into "outside the listed operators" with the Python of the layers.
+
+Before that, side by side on the same engine and sequences: decode steps with the layers run
+in one extension call (``LlamaModel.fuse_decode``, the default) and layer by layer in Python,
+alternating in ``--rounds`` rounds of ``--steps`` steps each (the median of each round's
+median, and their ratio).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from epdserve.config import EngineArgs
 from epdserve.engine.engine import LLMEngine
+from epdserve.models.llama import LlamaModel
 from epdserve.sampling import SamplingParams
 
 
@@ -29,6 +35,7 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=1, help="sequences decoding at once")
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--steps", type=int, default=40, help="profiled steps (as many timed bare)")
+    parser.add_argument("--rounds", type=int, default=10, help="alternating rounds of fused and layer-by-layer steps")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--json", type=Path, default=None)
     ns = parser.parse_args()
@@ -36,7 +43,7 @@ def main() -> int:
     engine = LLMEngine(EngineArgs(dtype=ns.dtype))
     rng = random.Random(0)
     vocab = engine.loaded.spec.vocab_size
-    params = SamplingParams(max_tokens=3 * ns.steps + 40, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=(2 * ns.rounds + 3) * ns.steps + 40, temperature=0.0, ignore_eos=True)
     for _ in range(ns.batch):
         engine.add_request([rng.randrange(1000, vocab - 1000) for _ in range(ns.prompt_len)], params)
     for _ in range(20):  # prefill and warm-up
@@ -49,6 +56,16 @@ def main() -> int:
             engine.step()
             out.append(time.perf_counter() - t)
         return out
+
+    rounds: dict[bool, list[float]] = {True: [], False: []}
+    for _ in range(ns.rounds):
+        for fused in (False, True):
+            LlamaModel.fuse_decode = fused
+            rounds[fused].append(statistics.median(timed(ns.steps)))
+    LlamaModel.fuse_decode = True
+    fused_ms, python_ms = (statistics.median(rounds[f]) * 1e3 for f in (True, False))
+    print(f"batch {ns.batch}: decode step {fused_ms:.2f} ms with the layers in one call, {python_ms:.2f} ms "
+          f"layer by layer ({python_ms / fused_ms:.2f}x; medians of {ns.rounds} alternating rounds)")
 
     bare = timed(ns.steps)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -65,6 +82,9 @@ def main() -> int:
     print(f"  {'outside the listed operators':<32} {profiled_ms - listed:7.2f} ms/step (extension kernels, Python)")
     if ns.json:
         ns.json.write_text(json.dumps({"batch": ns.batch, "step_ms": step_ms, "profiled_step_ms": profiled_ms,
+                                       "fused_step_ms": fused_ms, "layer_by_layer_step_ms": python_ms,
+                                       "rounds_ms": {"fused": [t * 1e3 for t in rounds[True]],
+                                                     "layer_by_layer": [t * 1e3 for t in rounds[False]]},
                                        "ops": rows}, indent=1))
     return 0
 
