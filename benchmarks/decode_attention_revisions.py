@@ -2,7 +2,7 @@
 revision, side by side over a pool-sized KV cache.
 
     python benchmarks/decode_attention_revisions.py --against REV [--batch 64] [--context 330]
-        [--rounds 9] [--dtype bfloat16]
+        [--rounds 9] [--dtype bfloat16] [--threads N]
 
 Both versions of ``paged_attention_cpu.cpp`` are built (as the package builds it: -O3,
 -march=native) under names of their own. SmolLM2-135M's shape (9 query heads, 3 KV heads,
@@ -45,7 +45,10 @@ def main() -> int:
     parser.add_argument("--context", type=int, default=330)
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ns = parser.parse_args()
+    if ns.threads:
+        torch.set_num_threads(ns.threads)
 
     before = subprocess.run(["git", "show", f"{ns.against}:{SOURCE}"], cwd=ROOT, check=True,
                             capture_output=True, text=True).stdout
