@@ -233,7 +233,8 @@ class LlamaModel(nn.Module):
 
     def _fused_params(self) -> _FusedDecoder | None:
         """What ``decode_layers`` takes besides the step's inputs; None where the layers cannot
-        run fused (an activation other than SwiGLU, packed and plain weights mixed). Rebuilt
+        run fused (an activation other than SwiGLU, packed and plain weights mixed, norms of
+        several dtypes). Rebuilt
         when a weight is packed again."""
         if self._fused is None or not self._fused.current():
             self._fused = _FusedDecoder.of(self)
@@ -251,7 +252,7 @@ class LlamaModel(nn.Module):
                 and cos_sin.dtype == hidden.dtype and paged_attention_cpu.is_available()):
             return None
         fused = self._fused_params()
-        if fused is None:
+        if fused is None or fused.dtype != hidden.dtype:
             return None
         caches = [meta.kv_caches[i] for i in fused.layer_idxs]
         if not all(c.dtype == hidden.dtype and c.is_contiguous() for c in caches):
@@ -272,6 +273,7 @@ class _FusedDecoder:
     packed_ids: tuple[int, ...]  # their packed weights when this was built
     usable: bool
     packed: bool
+    dtype: torch.dtype  # of the norms' weights (the kernels take one dtype)
     params: list[torch.Tensor]
     layer_idxs: list[int]
     windows: list[int]
@@ -286,7 +288,12 @@ class _FusedDecoder:
         linears = [m for layer in layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                                     layer.mlp.gate_up_proj, layer.mlp.down_proj)]
         packed = {m.packed_weight is not None for m in linears}
-        usable = len(packed) == 1 and all(isinstance(layer.mlp.act_fn, SiluAndMul) for layer in layers)
+        norms = [model.norm.weight] + [w for layer in layers for w in (
+            layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+            *((layer.self_attn.qk_norm.weight,) if layer.self_attn.qk_norm is not None else ()))]
+        dtype = model.norm.weight.dtype
+        usable = (len(packed) == 1 and all(isinstance(layer.mlp.act_fn, SiluAndMul) for layer in layers)
+                  and all(w.dtype == dtype for w in norms))
         none = torch.empty(0)
 
         def weights(m: nn.Module) -> list[torch.Tensor]:
@@ -299,8 +306,9 @@ class _FusedDecoder:
             params += [layer.input_layernorm.weight, *weights(attn.qkv_proj),
                        attn.qk_norm.weight if attn.qk_norm is not None else none, *weights(attn.o_proj),
                        layer.post_attention_layernorm.weight, *weights(mlp.gate_up_proj), *weights(mlp.down_proj)]
+        assert len(params) == paged_attention_cpu.DECODE_LAYER_PARAMS * len(layers)
         attns = [layer.self_attn.attn for layer in layers]
-        return cls(linears, tuple(id(m.packed_weight) for m in linears), usable, packed == {True}, params,
+        return cls(linears, tuple(id(m.packed_weight) for m in linears), usable, packed == {True}, dtype, params,
                    [a.layer_idx for a in attns], [a.sliding_window or 0 for a in attns], attns[0].num_heads,
                    attns[0].num_kv_heads, attns[0].head_dim, attns[0].scale)
 

@@ -347,9 +347,9 @@ void decode(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& tabl
       };
       // Prefetching keeps many cache misses in flight across page boundaries (a sequence's
       // pages lie anywhere in the pool): the next tile's keys and this tile's values into L1,
-      // keys and values kPrefetchTiles tiles ahead into L2. Into L2 that far ahead the pool's
-      // reads ran 1.37x faster than with the one-tile L1 prefetch alone (decode at batch 64,
-      // contexts of 330 tokens, AMD EPYC without AMX; benchmarks/decode_step_profile.py).
+      // keys and values kPrefetchTiles tiles ahead into L2. With the L2 prefetch the kernel ran
+      // 1.34-1.45x faster than with the one-tile L1 prefetch alone over a pool-sized cache
+      // (batch 8-64, AMD EPYC without AMX; benchmarks/decode_attention_revisions.py).
       auto prefetch = [&](const T* pages, const int64_t* offsets, int64_t n, int locality) {
         for (int64_t j = 0; j < n; ++j) {
           const char* p = reinterpret_cast<const char*>(pages + offsets[j]);
@@ -866,8 +866,8 @@ void apply_token_bitmask_(at::Tensor& logits, const at::Tensor& bitmask, const a
 // The same operations, in the same order and on the same kernels, as LlamaDecoderLayer.forward
 // over a batch of single-token sequences, without a Python call per operator: the per-layer
 // Python and module dispatch of 30 layers cost a batch-1 step more time than its attention.
-// layers.py-side checks (llama.py, LlamaModel.fused_decode) decide when it applies; the checks here
-// guard the memory the kernels touch.
+// LlamaModel._fused_decode (llama.py) decides when it applies; the checks here guard the memory
+// the kernels touch.
 namespace {
 
 constexpr int64_t kParamsPerLayer = 11;  // see decode_layers
