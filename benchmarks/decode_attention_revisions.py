@@ -4,8 +4,8 @@ revision, side by side over a pool-sized KV cache.
     python benchmarks/decode_attention_revisions.py --against REV [--batch 64] [--context 330]
         [--rounds 9] [--dtype bfloat16] [--threads N]
 
-Both versions of ``paged_attention_cpu.cpp`` are built (as the package builds it: -O3,
--march=native) under names of their own. SmolLM2-135M's shape (9 query heads, 3 KV heads,
+Both versions of ``paged_attention_cpu.cpp`` are built with the package's flags
+(``paged_attention_cpu.BUILD_CFLAGS``) under names of their own. SmolLM2-135M's shape (9 query heads, 3 KV heads,
 head_dim 64, 30 layers), each layer its own cache of 4,096 blocks with the batch's pages drawn
 at random from it (as a served pool scatters them; 1.5 GB in all, far beyond the L3), contexts
 of ``--context`` - 40 .. ``--context`` tokens. A round runs the 30 layers through each version
@@ -25,6 +25,8 @@ from pathlib import Path
 import torch
 from torch.utils.cpp_extension import load_inline
 
+from epdserve.models.layers import paged_attention_cpu
+
 ROOT = Path(__file__).resolve().parent.parent
 SOURCE = "epdserve/models/layers/paged_attention_cpu.cpp"
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, NUM_LAYERS, BLOCK_SIZE, POOL_BLOCKS = 9, 3, 64, 30, 16, 4096
@@ -33,9 +35,8 @@ NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, NUM_LAYERS, BLOCK_SIZE, POOL_BLOCKS = 9, 3, 6
 def build(source: str, label: str):
     tag = hashlib.blake2b(source.encode(), digest_size=4).hexdigest()
     return load_inline(name=f"epdserve_attention_{label}_{tag}", cpp_sources=[source],
-                       functions=["paged_decode_attention"],
-                       extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
-                       extra_ldflags=["-fopenmp"])
+                       functions=["paged_decode_attention"], extra_cflags=paged_attention_cpu.BUILD_CFLAGS,
+                       extra_ldflags=paged_attention_cpu.BUILD_LDFLAGS)
 
 
 def main() -> int:

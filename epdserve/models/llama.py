@@ -232,11 +232,11 @@ class LlamaModel(nn.Module):
         return self.norm(hidden) if residual is None else self.norm.add_forward(hidden, residual)[0]
 
     def _fused_params(self) -> _FusedDecoder | None:
-        """What ``decode_layers`` takes besides the step's inputs; None where the layers cannot
-        run fused (an activation other than SwiGLU, packed and plain weights mixed, norms of
-        several dtypes). Rebuilt
-        when a weight is packed again."""
-        if self._fused is None or not self._fused.current():
+        """What ``decode_layers`` takes besides the step's inputs, gathered at the first decode
+        step (loading packs the weights before any step; the plain weights keep their values
+        either way); None where the layers cannot run fused (an activation other than SwiGLU,
+        packed and plain weights mixed, norms of several dtypes)."""
+        if self._fused is None:
             self._fused = _FusedDecoder.of(self)
         return self._fused if self._fused.usable else None
 
@@ -269,8 +269,6 @@ class LlamaModel(nn.Module):
 class _FusedDecoder:
     """A ``LlamaModel``'s layers as ``paged_attention_cpu.decode_layers`` takes them."""
 
-    linears: list[nn.Module]  # every layer's qkv, o, gate_up and down projections
-    packed_ids: tuple[int, ...]  # their packed weights when this was built
     usable: bool
     packed: bool
     dtype: torch.dtype  # of the norms' weights (the kernels take one dtype)
@@ -308,13 +306,9 @@ class _FusedDecoder:
                        layer.post_attention_layernorm.weight, *weights(mlp.gate_up_proj), *weights(mlp.down_proj)]
         assert len(params) == paged_attention_cpu.DECODE_LAYER_PARAMS * len(layers)
         attns = [layer.self_attn.attn for layer in layers]
-        return cls(linears, tuple(id(m.packed_weight) for m in linears), usable, packed == {True}, dtype, params,
+        return cls(usable, packed == {True}, dtype, params,
                    [a.layer_idx for a in attns], [a.sliding_window or 0 for a in attns], attns[0].num_heads,
                    attns[0].num_kv_heads, attns[0].head_dim, attns[0].scale)
-
-    def current(self) -> bool:
-        """No projection's packed weight has changed since this was built."""
-        return all(id(m.packed_weight) == i for m, i in zip(self.linears, self.packed_ids))
 
 
 class CausalLM(nn.Module):

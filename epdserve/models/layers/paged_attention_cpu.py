@@ -72,6 +72,13 @@ def _remove_stale_lock(name: str) -> None:
 # The kernel's source ships beside this module (package data, see pyproject.toml).
 _CPP_SOURCE_PATH = Path(__file__).with_suffix(".cpp")
 
+# -fopenmp: at::parallel_for is header code that runs serially without it; the extension then
+# shares torch's bundled OpenMP runtime (same soname). -ffp-contract=off: a * b + c stays two
+# roundings, as in the torch ops the elementwise kernels replace (the attention kernel asks for
+# FMAs explicitly).
+BUILD_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
+BUILD_LDFLAGS = ["-fopenmp"]
+
 _module: ModuleType | None = None
 _build_failed = False
 
@@ -96,12 +103,8 @@ def _load() -> ModuleType | None:
                 cpp_sources=[source],
                 functions=["paged_decode_attention", "rms_norm", "add_rms_norm_", "silu_and_mul", "rotary_",
                            "argmax_rows", "apply_token_bitmask_", "decode_layers"],
-                # -fopenmp: at::parallel_for is header code that runs serially without it; the
-                # extension then shares torch's bundled OpenMP runtime (same soname).
-                # -ffp-contract=off: a * b + c stays two roundings, as in the torch ops the
-                # elementwise kernels replace (the attention kernel asks for FMAs explicitly).
-                extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
-                extra_ldflags=["-fopenmp"],
+                extra_cflags=BUILD_CFLAGS,
+                extra_ldflags=BUILD_LDFLAGS,
             )
         except Exception as exc:  # noqa: BLE001 - no compiler, no ninja, a failed build: torch path
             _build_failed = True
