@@ -24,7 +24,7 @@ from epdserve.sampling import SamplingParams
 
 TIMED = {  # (module, attribute) -> label
     (linear, "linear"): "packed matmuls",
-    (attention.Attention, "_attend"): "prefill attention (torch's scaled_dot_product_attention)",
+    (attention.Attention, "_attend"): "prefill attention (Attention._attend)",
     (paged_attention_cpu, "silu_and_mul"): "SwiGLU",
     (paged_attention_cpu, "add_rms_norm_"): "norms",
     (paged_attention_cpu, "rms_norm"): "norms",

@@ -1,5 +1,6 @@
 """The fused CPU paged decode-attention kernel against a float64 gather + softmax reference,
-and the engine's greedy outputs with the kernel on and off."""
+the prefill attention kernel against a float64 reference and torch's kernel, the elementwise
+kernels, and the engine's greedy outputs with the kernels on and off."""
 
 from __future__ import annotations
 
@@ -106,6 +107,94 @@ def test_kernel_accepts_strided_inputs() -> None:
     torch.testing.assert_close(
         out.double(), reference(q, cache, tables, lens, 0.125, 0), rtol=1e-5, atol=1e-5
     )
+
+
+def prefill_reference(q, k, v, start_pos: int, scale: float, window: int) -> torch.Tensor:
+    """Causal (optionally windowed) attention of q [n, H, D] at positions start_pos.. over
+    k, v [S, KVH, D] in float64: [n, H, D]."""
+    group = q.shape[1] // k.shape[1]
+    keys = k.double().repeat_interleave(group, dim=1)
+    values = v.double().repeat_interleave(group, dim=1)
+    scores = torch.einsum("nhd,shd->hns", q.double(), keys) * scale
+    q_pos = torch.arange(start_pos, start_pos + q.shape[0])[:, None]
+    k_pos = torch.arange(k.shape[0])[None, :]
+    seen = k_pos <= q_pos
+    if window:
+        seen &= k_pos > q_pos - window
+    scores = scores.masked_fill(~seen, float("-inf"))
+    return torch.einsum("hns,shd->nhd", scores.softmax(dim=-1), values)
+
+
+def prefill_case(n: int, start_pos: int, heads: int, kv_heads: int, dim: int, seed: int):
+    """q, k, v as the engine's views of one fused qkv activation (token stride > row)."""
+    gen = torch.Generator().manual_seed(seed)
+    total = start_pos + n
+    qkv = (torch.randn(total, (heads + 2 * kv_heads) * dim, generator=gen) * 2).bfloat16()
+    q = qkv[start_pos:, : heads * dim].view(n, heads, dim)
+    k = qkv[:, heads * dim : (heads + kv_heads) * dim].view(total, kv_heads, dim)
+    v = qkv[:, (heads + kv_heads) * dim :].view(total, kv_heads, dim)
+    return q, k, v
+
+
+needs_prefill_kernel = pytest.mark.skipif(
+    not paged_attention_cpu.is_available() or not paged_attention_cpu._load().has_prefill_attention(),
+    reason="the prefill attention kernel needs a CPU with AVX512-BF16",
+)
+
+
+@needs_prefill_kernel
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 1, 256), (8, 8, 128)])
+@pytest.mark.parametrize(
+    "n,start_pos,window", [(256, 0, 0), (37, 0, 0), (100, 300, 0), (256, 0, 100), (1, 50, 0), (300, 17, 64), (5, 0, 1)]
+)
+def test_prefill_kernel_matches_reference(heads, kv_heads, dim, n, start_pos, window) -> None:
+    """Within bf16 rounding of the float64 reference, and as close as torch's own bf16 kernel."""
+    q, k, v = prefill_case(n, start_pos, heads, kv_heads, dim, seed=n + start_pos)
+    assert paged_attention_cpu.can_prefill(q, k, v)
+    scale = dim**-0.5
+    got = paged_attention_cpu.prefill_attention(q, k, v, start_pos, scale, window)
+    assert got.shape == q.shape and got.dtype == torch.bfloat16
+    expected = prefill_reference(q, k, v, start_pos, scale, window)
+    q_pos = torch.arange(start_pos, start_pos + n)[:, None]
+    k_pos = torch.arange(k.shape[0])[None, :]
+    mask = (k_pos <= q_pos) & ((k_pos > q_pos - window) if window else True)
+    torch_bf16 = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+        attn_mask=mask, scale=scale, enable_gqa=True,
+    )[0].transpose(0, 1)
+    torch_error = (torch_bf16.double() - expected).abs().max().item()
+    assert (got.double() - expected).abs().max().item() <= max(1.25 * torch_error, 1e-6)
+    # Both round the probabilities to bf16 before the value product: mostly the same bits.
+    assert (got == torch_bf16).float().mean().item() > 0.9
+
+
+@needs_prefill_kernel
+@pytest.mark.parametrize("window", [0, 40])
+def test_prefill_kernel_same_bits_in_chunks(window) -> None:
+    """A prompt attended in chunks (a cached prefix, chunked prefill) gives the rows the same
+    bits as attended at once: each row's keys and sums do not depend on the call's rows."""
+    q, k, v = prefill_case(300, 0, 9, 3, 64, seed=3)
+    whole = paged_attention_cpu.prefill_attention(q, k, v, 0, 0.125, window)
+    for start in (0, 1, 17, 160, 299):
+        for end in (start + 1, min(300, start + 33), 300):
+            part = paged_attention_cpu.prefill_attention(q[start:end], k[:end], v[:end], start, 0.125, window)
+            assert torch.equal(part, whole[start:end]), (start, end)
+
+
+@needs_prefill_kernel
+def test_prefill_kernel_refuses_bad_inputs() -> None:
+    q, k, v = prefill_case(8, 4, 4, 2, 64, seed=1)
+    with pytest.raises(RuntimeError):  # k must hold start_pos + n tokens
+        paged_attention_cpu.prefill_attention(q, k[:-1], v[:-1], 4, 0.125, 0)
+    with pytest.raises(RuntimeError):
+        paged_attention_cpu.prefill_attention(q, k, v[:, :1], 4, 0.125, 0)
+    with pytest.raises(RuntimeError):
+        paged_attention_cpu.prefill_attention(q.float(), k, v, 4, 0.125, 0)
+    with pytest.raises(RuntimeError):  # head size without registers for it
+        qq, kk, vv = (t[..., :32] for t in (q, k, v))
+        paged_attention_cpu.prefill_attention(qq, kk, vv, 4, 0.125, 0)
+    assert not paged_attention_cpu.can_prefill(q.float(), k.float(), v.float())
+    assert not paged_attention_cpu.can_prefill(q[..., :32], k[..., :32], v[..., :32])
 
 
 @pytest.mark.slow  # compiles the extension from scratch (~20 s)

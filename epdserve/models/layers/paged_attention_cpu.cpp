@@ -465,6 +465,193 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& cache, 
   return out;
 }
 
+// --- Prefill attention: one sequence's query tokens over its keys, bf16 on AVX512-BF16. ------
+//
+// The product of q rows and keys, then of probabilities and values, as small matrix products on
+// vdpbf16ps (pairs of bf16 products summed into float32 lanes), with the operands laid out so
+// that every instruction's 32 bf16 are one 64-byte load: keys packed per tile of 16 as
+// [dim pair][key][2], values per pair of keys as [dim][2]. A task takes 16 query rows of one
+// head and every key they see: scores in float32 (scaled, masked to the row's causal and window
+// range), a softmax over the whole row (no running rescale), probabilities rounded to bf16 for
+// the value product, float32 sums, the row divided by its sum at the end: torch's CPU flash
+// attention rounds the same way for bf16, so the output differs from it only by the order of
+// float32 additions.
+namespace {
+
+#ifdef __AVX512BF16__
+constexpr int64_t kPrefillRows = 16;  // query rows per task (16 score accumulators)
+constexpr int64_t kPrefillKeys = 16;  // keys per score tile: one float32 vector per row
+
+// out [n, H, D] = attention of q [n, H, D] (positions start_pos..) over k, v [S, KVH, D],
+// S = start_pos + n; window W > 0: a row at position p sees keys p-W+1 .. p. D = 16 * C.
+template <int C>
+void prefill(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out,
+             int64_t start_pos, float scale, int64_t window) {
+  using bf16 = c10::BFloat16;
+  constexpr int64_t D = 16 * C, kPairs = D / 2;
+  const int64_t n = q.size(0), num_heads = q.size(1), num_keys = k.size(0), num_kv_heads = k.size(1);
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t tiles = (num_keys + kPrefillKeys - 1) / kPrefillKeys, padded = tiles * kPrefillKeys;
+  const bf16* q_ptr = q.data_ptr<bf16>();
+  const bf16* k_ptr = k.data_ptr<bf16>();
+  const bf16* v_ptr = v.data_ptr<bf16>();
+  bf16* out_ptr = out.data_ptr<bf16>();
+  const int64_t q_token = q.stride(0), q_head = q.stride(1);
+  const int64_t k_token = k.stride(0), k_head = k.stride(1), v_token = v.stride(0), v_head = v.stride(1);
+
+  // Packed keys [KVH][tile][pair][key][2] and values [KVH][key pair][dim][2], keys past the
+  // last zero (a zero probability times a zero value: padding adds nothing, never a NaN).
+  at::Tensor packed = at::empty({2, num_kv_heads, padded * D}, q.options());
+  bf16* keys_packed = packed.data_ptr<bf16>();
+  bf16* values_packed = keys_packed + num_kv_heads * padded * D;
+  at::parallel_for(0, num_kv_heads * tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t kv_head = task / tiles, tile = task % tiles;
+      bf16* kd = keys_packed + (kv_head * padded + tile * kPrefillKeys) * D;
+      bf16* vd = values_packed + (kv_head * padded + tile * kPrefillKeys) * D;
+      for (int64_t j = 0; j < kPrefillKeys; ++j) {
+        const int64_t key = tile * kPrefillKeys + j;
+        const bf16* kr = key < num_keys ? k_ptr + key * k_token + kv_head * k_head : nullptr;
+        const bf16* vr = key < num_keys ? v_ptr + key * v_token + kv_head * v_head : nullptr;
+        for (int64_t p = 0; p < kPairs; ++p) {
+          kd[(p * kPrefillKeys + j) * 2] = kr ? kr[2 * p] : bf16(0.f);
+          kd[(p * kPrefillKeys + j) * 2 + 1] = kr ? kr[2 * p + 1] : bf16(0.f);
+        }
+        for (int64_t d = 0; d < D; ++d) vd[((j / 2) * D + d) * 2 + (j & 1)] = vr ? vr[d] : bf16(0.f);
+      }
+    }
+  });
+
+  const int64_t row_blocks = (n + kPrefillRows - 1) / kPrefillRows;
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  at::parallel_for(0, num_heads * row_blocks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(kPrefillRows * padded);
+    std::vector<bf16> probs(kPrefillRows * padded);
+    alignas(64) bf16 rows[kPrefillRows * D];  // the task's q rows, zeros past the last
+    float row_sum[kPrefillRows];
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t head = task / row_blocks, row0 = (task % row_blocks) * kPrefillRows;
+      const int64_t m = std::min(kPrefillRows, n - row0), kv_head = head / group;
+      std::fill(rows + m * D, rows + kPrefillRows * D, bf16(0.f));
+      for (int64_t i = 0; i < m; ++i) std::copy_n(q_ptr + (row0 + i) * q_token + head * q_head, D, rows + i * D);
+      // Keys seen by any of the rows: [first_key, last_row_pos], in whole tiles.
+      const int64_t last_pos = start_pos + row0 + m - 1;
+      const int64_t first_key = window > 0 ? std::max<int64_t>(0, start_pos + row0 - window + 1) : 0;
+      const int64_t k0 = first_key / kPrefillKeys * kPrefillKeys;
+      const int64_t k1 = (last_pos / kPrefillKeys + 1) * kPrefillKeys;
+
+      // scores[i][key] = q_i . key for 16 rows x 16 keys per tile.
+      const bf16* head_keys = keys_packed + kv_head * padded * D;
+      for (int64_t tile = k0; tile < k1; tile += kPrefillKeys) {
+        __m512 acc[kPrefillRows];
+        for (int i = 0; i < kPrefillRows; ++i) acc[i] = _mm512_setzero_ps();
+        const bf16* kt = head_keys + tile * D;
+        for (int64_t p = 0; p < kPairs; ++p) {
+          const __m512bh kv = (__m512bh)_mm512_loadu_si512(kt + p * 2 * kPrefillKeys);
+          for (int i = 0; i < kPrefillRows; ++i) {
+            const int32_t pair = *reinterpret_cast<const int32_t*>(rows + i * D + 2 * p);
+            acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)_mm512_set1_epi32(pair), kv);
+          }
+        }
+        for (int i = 0; i < kPrefillRows; ++i) _mm512_storeu_ps(scores.data() + i * padded + tile, acc[i]);
+      }
+
+      // Softmax per row over its own keys [lo, hi); probabilities elsewhere in [k0, k1) are 0.
+      for (int64_t i = 0; i < kPrefillRows; ++i) {
+        float* s = scores.data() + i * padded;
+        bf16* pr = probs.data() + i * padded;
+        if (i >= m) {
+          std::fill(pr + k0, pr + k1, bf16(0.f));
+          row_sum[i] = 1.f;
+          continue;
+        }
+        const int64_t pos = start_pos + row0 + i;
+        const int64_t lo = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0, hi = pos + 1;
+        __m512 vmax = _mm512_set1_ps(neg_inf);
+        for (int64_t j = k0; j < k1; j += 16) {
+          const uint32_t below_hi = j + 16 <= hi ? 0xFFFFu : (j >= hi ? 0u : (1u << (hi - j)) - 1);
+          const uint32_t from_lo = j >= lo ? 0xFFFFu : (j + 16 <= lo ? 0u : ~((1u << (lo - j)) - 1));
+          const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(s + j), _mm512_set1_ps(scale));
+          const __m512 masked = _mm512_mask_blend_ps(__mmask16(below_hi & from_lo), _mm512_set1_ps(neg_inf), x);
+          _mm512_storeu_ps(s + j, masked);
+          vmax = _mm512_max_ps(vmax, masked);
+        }
+        const __m512 row_max = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
+        __m512 vsum = _mm512_setzero_ps();
+        for (int64_t j = k0; j < k1; j += 16) {
+          const __m512 x = _mm512_loadu_ps(s + j);
+          const __mmask16 seen = _mm512_cmp_ps_mask(x, _mm512_set1_ps(neg_inf), _CMP_NEQ_OQ);
+          const __m512 e = _mm512_maskz_mov_ps(seen, exp_nonpositive(_mm512_sub_ps(x, row_max)));
+          vsum = _mm512_add_ps(vsum, e);
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + j), (__m256i)_mm512_cvtneps_pbh(e));
+        }
+        row_sum[i] = _mm512_reduce_add_ps(vsum);
+      }
+
+      // out rows = probs @ values, R rows x C vectors of accumulators at a time.
+      constexpr int R = C >= 16 ? 1 : 16 / C;
+      const bf16* head_values = values_packed + kv_head * padded * D;
+      for (int64_t i0 = 0; i0 < m; i0 += R) {
+        __m512 acc[R][C];
+        for (int r = 0; r < R; ++r)
+          for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+        for (int64_t key = k0; key < k1; key += 2) {
+          const bf16* vrow = head_values + key * D;
+          __m512bh vv[C];
+          for (int c = 0; c < C; ++c) vv[c] = (__m512bh)_mm512_loadu_si512(vrow + 32 * c);
+          for (int r = 0; r < R; ++r) {
+            const int32_t pair = *reinterpret_cast<const int32_t*>(probs.data() + (i0 + r) * padded + key);
+            const __m512bh pv = (__m512bh)_mm512_set1_epi32(pair);
+            for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], pv, vv[c]);
+          }
+        }
+        for (int r = 0; r < R && i0 + r < m; ++r) {
+          const __m512 inv = _mm512_set1_ps(row_sum[i0 + r] > 0.f ? 1.f / row_sum[i0 + r] : 0.f);
+          bf16* dst = out_ptr + ((row0 + i0 + r) * num_heads + head) * D;
+          for (int c = 0; c < C; ++c) {
+            const __m256bh rounded = _mm512_cvtneps_pbh(_mm512_mul_ps(acc[r][c], inv));
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 16 * c), (__m256i)rounded);
+          }
+        }
+      }
+    }
+  });
+}
+#endif
+
+}  // namespace
+
+bool has_prefill_attention() {
+#ifdef __AVX512BF16__
+  return true;
+#else
+  return false;
+#endif
+}
+
+at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t start_pos,
+                             double scale, int64_t sliding_window) {
+  TORCH_CHECK(has_prefill_attention(), "prefill attention needs a CPU with AVX512-BF16");
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k and v must be [tokens, heads, D]");
+  TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1, "unit last stride required");
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 &&
+              v.scalar_type() == at::kBFloat16, "bfloat16 only");
+  TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), "CPU tensors only");
+  TORCH_CHECK(k.sizes() == v.sizes() && k.size(2) == q.size(2) && q.size(1) % k.size(1) == 0,
+              "k and v must be [S, KVH, D] with KVH dividing q's heads");
+  TORCH_CHECK(start_pos >= 0 && k.size(0) == start_pos + q.size(0), "k must hold start_pos + n tokens");
+  at::Tensor out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
+  if (q.size(0) == 0) return out;
+#ifdef __AVX512BF16__
+  switch (q.size(2)) {
+    case 64: prefill<4>(q, k, v, out, start_pos, float(scale), sliding_window); return out;
+    case 128: prefill<8>(q, k, v, out, start_pos, float(scale), sliding_window); return out;
+    case 256: prefill<16>(q, k, v, out, start_pos, float(scale), sliding_window); return out;
+  }
+#endif
+  TORCH_CHECK(false, "head_dim 64, 128 or 256 only, got ", q.size(2));
+}
+
 // --- Elementwise kernels: RMSNorm (alone and after the residual add), gated SiLU, rotary. ----
 //
 // Each rounds where the torch ops it replaces round (to the tensor's dtype after every op), so

@@ -102,7 +102,8 @@ def _load() -> ModuleType | None:
                 name=name,
                 cpp_sources=[source],
                 functions=["paged_decode_attention", "rms_norm", "add_rms_norm_", "silu_and_mul", "rotary_",
-                           "argmax_rows", "apply_token_bitmask_", "decode_layers"],
+                           "argmax_rows", "apply_token_bitmask_", "decode_layers", "has_prefill_attention",
+                           "prefill_attention"],
                 extra_cflags=BUILD_CFLAGS,
                 extra_ldflags=BUILD_LDFLAGS,
             )
@@ -152,6 +153,35 @@ def paged_decode_attention(
     return module.paged_decode_attention(
         q, cache, block_tables, context_lens, float(scale), int(sliding_window)
     )
+
+
+PREFILL_HEAD_DIMS = (64, 128, 256)
+
+
+def can_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """``prefill_attention`` can take these: bfloat16 CPU tensors, unit last strides, a head
+    size it has registers for, and the extension built for a CPU with AVX512-BF16."""
+    return (
+        q.device.type == "cpu"
+        and q.dtype == k.dtype == v.dtype == torch.bfloat16
+        and q.shape[-1] in PREFILL_HEAD_DIMS
+        and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
+        and is_available()
+        and _load().has_prefill_attention()
+    )
+
+
+def prefill_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start_pos: int, scale: float, sliding_window: int = 0
+) -> torch.Tensor:
+    """Causal attention of one sequence's query tokens: q [n, H, D] at positions start_pos..,
+    k and v [start_pos + n, KVH, D] (any token and head strides). ``sliding_window`` W > 0: the
+    row at position p sees keys p-W+1 .. p. Returns [n, H, D] bfloat16; rounds as torch's CPU
+    flash attention does for bfloat16 (float32 scores and sums, bf16 probabilities in the value
+    product). Requires ``can_prefill(q, k, v)``."""
+    module = _load()
+    assert module is not None, "prefill_attention called without is_available()"
+    return module.prefill_attention(q, k, v, int(start_pos), float(scale), int(sliding_window))
 
 
 def can_rms_norm(x: torch.Tensor, weight: torch.Tensor) -> bool:
