@@ -280,6 +280,40 @@ inline float exp_shifted(float* s, int64_t n, float max) {
   return sum;
 }
 
+// One sequence's pages as a decode task reads them: element offsets of the task's row slices
+// (its KV heads' part of each token row) for a run of tokens, and their prefetch.
+template <typename T>
+struct PageWalk {
+  const int64_t* table;  // the sequence's block table
+  int64_t num_blocks, block_size, row_stride, block_stride, head_offset, slice_bytes;
+
+  void offsets(int64_t start, int64_t n, int64_t* out) const {
+    int64_t block_idx = start / block_size, in_block = start - block_idx * block_size;
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t block = table[block_idx];
+      TORCH_CHECK(block >= 0 && block < num_blocks, "block id ", block, " out of range");
+      out[j] = block * block_stride + in_block * row_stride + head_offset;
+      if (++in_block == block_size) in_block = 0, ++block_idx;
+    }
+  }
+
+  // Prefetching keeps many cache misses in flight across page boundaries (a sequence's pages
+  // lie anywhere in the pool): locality 3 into L1 (the tile next), 2 into L2 (tiles further
+  // ahead). With the L2 prefetch the online-softmax kernel ran 1.34-1.45x faster than with the
+  // one-tile L1 prefetch alone over a pool-sized cache (batch 8-64, AMD EPYC without AMX;
+  // benchmarks/decode_attention_revisions.py).
+  void prefetch(const T* pages, const int64_t* offs, int64_t n, int locality) const {
+    for (int64_t j = 0; j < n; ++j) {
+      const char* p = reinterpret_cast<const char*>(pages + offs[j]);
+      if (locality == 3) {
+        for (int64_t b = 0; b < slice_bytes; b += 64) __builtin_prefetch(p + b, 0, 3);
+      } else {
+        for (int64_t b = 0; b < slice_bytes; b += 64) __builtin_prefetch(p + b, 0, 2);
+      }
+    }
+  }
+};
+
 // A task covers this many KV heads of one sequence: all of them (each token row read as one
 // contiguous stretch) when the batch alone gives every thread several tasks, else fewer.
 inline int64_t kv_heads_per_task(int64_t batch, int64_t num_kv_heads) {
@@ -335,30 +369,12 @@ void decode(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& tabl
       std::fill(run_max, run_max + heads, -std::numeric_limits<float>::infinity());
       std::fill(run_sum, run_sum + heads, 0.f);
 
-      // Element offsets of a tile's row slices (KV heads kv_head0..) in the K or V pages.
-      auto fill_offsets = [&](int64_t start, int64_t n, int64_t* offsets) {
-        int64_t block_idx = start / block_size, in_block = start - block_idx * block_size;
-        for (int64_t j = 0; j < n; ++j) {
-          const int64_t block = table[block_idx];
-          TORCH_CHECK(block >= 0 && block < num_blocks, "block id ", block, " out of range");
-          offsets[j] = block * block_stride + in_block * row_stride + kv_head0 * dim;
-          if (++in_block == block_size) in_block = 0, ++block_idx;
-        }
-      };
-      // Prefetching keeps many cache misses in flight across page boundaries (a sequence's
-      // pages lie anywhere in the pool): the next tile's keys and this tile's values into L1,
-      // keys and values kPrefetchTiles tiles ahead into L2. With the L2 prefetch the kernel ran
-      // 1.34-1.45x faster than with the one-tile L1 prefetch alone over a pool-sized cache
-      // (batch 8-64, AMD EPYC without AMX; benchmarks/decode_attention_revisions.py).
+      const PageWalk<T> walk{table, num_blocks, block_size, row_stride, block_stride, kv_head0 * dim, slice_bytes};
+      // The next tile's keys and this tile's values into L1, keys and values kPrefetchTiles
+      // tiles ahead into L2.
+      auto fill_offsets = [&](int64_t start, int64_t n, int64_t* offsets) { walk.offsets(start, n, offsets); };
       auto prefetch = [&](const T* pages, const int64_t* offsets, int64_t n, int locality) {
-        for (int64_t j = 0; j < n; ++j) {
-          const char* p = reinterpret_cast<const char*>(pages + offsets[j]);
-          if (locality == 3) {
-            for (int64_t b = 0; b < slice_bytes; b += 64) __builtin_prefetch(p + b, 0, 3);
-          } else {
-            for (int64_t b = 0; b < slice_bytes; b += 64) __builtin_prefetch(p + b, 0, 2);
-          }
-        }
+        walk.prefetch(pages, offsets, n, locality);
       };
       auto prefetch_ahead = [&](int64_t start) {
         if (start >= context_len) return;
@@ -422,9 +438,203 @@ void decode(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& tabl
   });
 }
 
+#ifdef __AVX512BF16__
+// --- bf16 decode in three passes over a task's context (AVX512-BF16, head_dim 16 * C). --------
+//
+// Scores of every key first (each key row loaded once for the GQA group's query heads), then one
+// softmax per head over its whole row (no per-tile running max, rescale or reductions), then
+// the values two keys at a time: per 32-dim chunk of keys j and j+1, unpacklo/hi_epi16 give two
+// vectors of 16 (v_j[d], v_j+1[d]) pairs, and vdpbf16ps with the broadcast pair of their
+// probabilities adds both terms to 16 float32 lanes in one instruction (the interleaved rows
+// serve every query head of the KV head). Probabilities are rounded to bf16 for that product,
+// as torch's CPU flash attention rounds them for bf16; sums stay float32. The accumulator's
+// lanes hold the dims in the unpack's order (paired_lane_dim), undone when the row is written.
+// Against the online-softmax kernel: 1.29x over a pool-sized cache at batch 64, 1.5x with the
+// pages in L3 (benchmarks/decode_attention_revisions.py, AMD EPYC without AMX).
+constexpr int64_t kMaxRowsGroup = 8;  // query heads per KV head with their query in registers
+
+// The dim held by accumulator lane i: per 32-dim chunk the unpacklo vector (dims 0-3, 8-11,
+// 16-19, 24-27 of the chunk) then the unpackhi vector (4-7, 12-15, ...).
+inline int64_t paired_lane_dim(int64_t i) {
+  const int64_t chunk = i / 32, half = (i % 32) / 16, lane = i % 16;
+  return chunk * 32 + (lane / 4) * 8 + half * 4 + lane % 4;
+}
+
+// pairs[(j / 2) * C + c]: keys j and j+1 interleaved, C vectors per pair (an odd last key is
+// paired with itself; its partner's probability is 0).
+template <int C>
+void interleave_values(const c10::BFloat16* values, const int64_t* offsets, int64_t n, __m512i* pairs) {
+  for (int64_t j = 0; j < n; j += 2) {
+    const c10::BFloat16* a = values + offsets[j];
+    const c10::BFloat16* b = j + 1 < n ? values + offsets[j + 1] : a;
+    for (int c2 = 0; c2 < C / 2; ++c2) {
+      const __m512i va = _mm512_loadu_si512(a + 32 * c2), vb = _mm512_loadu_si512(b + 32 * c2);
+      pairs[(j / 2) * C + 2 * c2] = _mm512_unpacklo_epi16(va, vb);
+      pairs[(j / 2) * C + 2 * c2 + 1] = _mm512_unpackhi_epi16(va, vb);
+    }
+  }
+}
+
+// body(start, n, offsets) for each tile of keys [first, context_len) of one of K or V, with the
+// next tile prefetched into L1 and kPrefetchTiles ahead into L2.
+template <typename Body>
+void for_each_tile(const PageWalk<c10::BFloat16>& walk, const c10::BFloat16* pages, int64_t first,
+                   int64_t context_len, Body&& body) {
+  int64_t tile_offsets[2 * kTile], far_offsets[kTile];
+  int64_t* offsets = tile_offsets;
+  int64_t* next_offsets = tile_offsets + kTile;
+  auto ahead = [&](int64_t start) {
+    if (start >= context_len) return;
+    const int64_t n = std::min(kTile, context_len - start);
+    walk.offsets(start, n, far_offsets);
+    walk.prefetch(pages, far_offsets, n, 2);
+  };
+  if (first < context_len) {
+    const int64_t n = std::min(kTile, context_len - first);
+    walk.offsets(first, n, offsets);
+    walk.prefetch(pages, offsets, n, 3);
+  }
+  for (int64_t i = 1; i < kPrefetchTiles; ++i) ahead(first + i * kTile);
+  for (int64_t start = first; start < context_len; start += kTile) {
+    ahead(start + kPrefetchTiles * kTile);
+    const int64_t next = start + kTile;
+    if (next < context_len) {
+      const int64_t n = std::min(kTile, context_len - next);
+      walk.offsets(next, n, next_offsets);
+      walk.prefetch(pages, next_offsets, n, 3);
+    }
+    body(start, std::min(kTile, context_len - start), offsets);
+    std::swap(offsets, next_offsets);
+  }
+}
+
+template <int C>
+void decode_rows(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& tables,
+                 const at::Tensor& lens, at::Tensor& out, double scale, int64_t window) {
+  using T = c10::BFloat16;
+  constexpr int64_t D = 16 * C;
+  const int64_t batch = q.size(0), num_heads = q.size(1);
+  const int64_t num_blocks = cache.size(1), block_size = cache.size(2), num_kv_heads = cache.size(3);
+  const int64_t group = num_heads / num_kv_heads;
+  TORCH_CHECK(group <= kMaxRowsGroup, "at most ", kMaxRowsGroup, " query heads per KV head");
+  const int64_t q_seq_stride = q.stride(0), q_head_stride = q.stride(1);
+  const int64_t max_blocks = tables.size(1), table_stride = tables.stride(0);
+  const int64_t row_stride = num_kv_heads * D, block_stride = block_size * row_stride;
+  const int64_t span = kv_heads_per_task(batch, num_kv_heads), tasks_per_seq = num_kv_heads / span;
+  const int64_t heads = span * group, slice_bytes = span * D * int64_t(sizeof(T));
+  const T* q_ptr = q.data_ptr<T>();
+  const T* k_pages = cache.data_ptr<T>();
+  const T* v_pages = k_pages + num_blocks * block_stride;
+  const int64_t* table_ptr = tables.data_ptr<int64_t>();
+  const int64_t* len_ptr = lens.data_ptr<int64_t>();
+  T* out_ptr = out.data_ptr<T>();
+  const float fscale = float(scale);
+  int64_t longest = 0;
+  for (int64_t b = 0; b < batch; ++b) longest = std::max(longest, len_ptr[b]);
+  TORCH_CHECK(longest <= max_blocks * block_size, "context length ", longest, " outside the block table");
+  const int64_t row_len = (longest + kTile - 1) / kTile * kTile;
+
+  at::parallel_for(0, batch * tasks_per_seq, 1, [&](int64_t begin, int64_t end) {
+    // Per thread: accumulators [heads, D]; score rows [heads, row_len]; lane partial sums of a
+    // tile per query head of a group; probabilities [heads, row_len] in bf16.
+    std::vector<float> work(heads * D + heads * row_len + kMaxRowsGroup * kTile * 16);
+    float* acc = work.data();
+    float* scores = acc + heads * D;
+    float* partial = scores + heads * row_len;
+    std::vector<T> probs(heads * row_len);
+    std::vector<float> inv_sum(heads);
+    __m512i value_pairs[kTile / 2 * C];
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t seq = task / tasks_per_seq, kv_head0 = (task % tasks_per_seq) * span;
+      const int64_t head0 = kv_head0 * group;
+      const int64_t context_len = len_ptr[seq];
+      TORCH_CHECK(context_len >= 0, "negative context length ", context_len);
+      const int64_t first = window > 0 ? std::max<int64_t>(0, context_len - window) : 0;
+      const int64_t count = context_len - first;
+      const PageWalk<T> walk{table_ptr + seq * table_stride, num_blocks, block_size, row_stride, block_stride,
+                             kv_head0 * D, slice_bytes};
+      std::fill(acc, acc + heads * D, 0.f);
+
+      // Pass 1: scores[h][key - first] = q_h . key (unscaled).
+      for_each_tile(walk, k_pages, first, context_len, [&](int64_t start, int64_t n, const int64_t* offsets) {
+        for (int64_t kv = 0; kv < span; ++kv) {
+          __m512bh qv[kMaxRowsGroup][C / 2];
+          for (int64_t g = 0; g < group; ++g) {
+            const T* qh = q_ptr + seq * q_seq_stride + (head0 + kv * group + g) * q_head_stride;
+            for (int c = 0; c < C / 2; ++c) qv[g][c] = (__m512bh)_mm512_loadu_si512(qh + 32 * c);
+          }
+          for (int64_t j = 0; j < n; ++j) {
+            const T* k = k_pages + offsets[j] + kv * D;
+            __m512bh kk[C / 2];
+            for (int c = 0; c < C / 2; ++c) kk[c] = (__m512bh)_mm512_loadu_si512(k + 32 * c);
+            for (int64_t g = 0; g < group; ++g) {
+              __m512 sum = _mm512_setzero_ps();
+              for (int c = 0; c < C / 2; ++c) sum = _mm512_dpbf16_ps(sum, qv[g][c], kk[c]);
+              _mm512_storeu_ps(partial + (g * kTile + j) * 16, sum);
+            }
+          }
+          for (int64_t g = 0; g < group; ++g) {
+            // lanes past n hold an earlier tile's sums: scores past count are never read
+            sum_lanes16(partial + g * kTile * 16, scores + (kv * group + g) * row_len + (start - first));
+          }
+        }
+      });
+
+      // Pass 2: a softmax per head over its row; probabilities rounded to bf16.
+      for (int64_t h = 0; h < heads; ++h) {
+        float* s = scores + h * row_len;
+        const float sum = exp_shifted(s, count, scale_scores(s, count, fscale));
+        inv_sum[h] = sum > 0.f ? 1.f / sum : 0.f;
+        T* p = probs.data() + h * row_len;
+        for (int64_t j = 0; j < count; j += 16) {
+          const __m512 e = _mm512_maskz_loadu_ps(first_lanes(count - j), s + j);
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + j), (__m256i)_mm512_cvtneps_pbh(e));
+        }
+      }
+
+      // Pass 3: acc_h += p_j * v_j, two keys per instruction.
+      for_each_tile(walk, v_pages, first, context_len, [&](int64_t start, int64_t n, const int64_t* offsets) {
+        for (int64_t kv = 0; kv < span; ++kv) {
+          interleave_values<C>(v_pages + kv * D, offsets, n, value_pairs);
+          for (int64_t h = kv * group; h < (kv + 1) * group; ++h) {
+            const T* p = probs.data() + h * row_len + (start - first);
+            __m512 a[C];
+            for (int c = 0; c < C; ++c) a[c] = _mm512_loadu_ps(acc + h * D + 16 * c);
+            for (int64_t j = 0; j < n; j += 2) {
+              // an odd last key: its partner's probability (the upper half) is 0
+              const int32_t bits = j + 1 < n ? *reinterpret_cast<const int32_t*>(p + j)
+                                             : int32_t(*reinterpret_cast<const uint16_t*>(p + j));
+              const __m512bh pair = (__m512bh)_mm512_set1_epi32(bits);
+              for (int c = 0; c < C; ++c) a[c] = _mm512_dpbf16_ps(a[c], pair, (__m512bh)value_pairs[(j / 2) * C + c]);
+            }
+            for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + h * D + 16 * c, a[c]);
+          }
+        }
+      });
+
+      for (int64_t h = 0; h < heads; ++h) {
+        T* dst = out_ptr + (seq * num_heads + head0 + h) * D;
+        for (int64_t i = 0; i < D; ++i) dst[paired_lane_dim(i)] = T(acc[h * D + i] * inv_sum[h]);
+      }
+    }
+  });
+}
+#endif
+
 template <typename T>
 void dispatch(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& tables, const at::Tensor& lens,
               at::Tensor& out, double scale, int64_t window) {
+#ifdef __AVX512BF16__
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (q.size(1) / cache.size(3) <= kMaxRowsGroup) {
+      switch (q.size(2)) {
+        case 64: return decode_rows<4>(q, cache, tables, lens, out, scale, window);
+        case 128: return decode_rows<8>(q, cache, tables, lens, out, scale, window);
+        case 256: return decode_rows<16>(q, cache, tables, lens, out, scale, window);
+      }
+    }
+  }
+#endif
 #ifdef __AVX512F__
   switch (q.size(2)) {
     case 64: return decode<T, 4>(q, cache, tables, lens, out, scale, window);
