@@ -9,8 +9,9 @@ Both versions of ``paged_attention_cpu.cpp`` are built with the package's flags
 head_dim 64, 30 layers), each layer its own cache of 4,096 blocks with the batch's pages drawn
 at random from it (as a served pool scatters them; 1.5 GB in all, far beyond the L3), contexts
 of ``--context`` - 40 .. ``--context`` tokens. A round runs the 30 layers through each version
-in turn; prints each version's median over the rounds, every round, and their ratio; the
-outputs of the two versions must be equal bit for bit.
+in turn; prints each version's median over the rounds, every round, their ratio, and the
+largest difference between the two versions' outputs (0 where they round alike; at most 1 % of
+the output's magnitude, else the run fails).
 """
 
 from __future__ import annotations
@@ -75,8 +76,11 @@ def main() -> int:
             times[name].append((time.perf_counter() - start) * 1e3)
             outputs[name] = out
     first, second = outputs.values()
-    if not torch.equal(first, second):
-        raise SystemExit("the two kernels' outputs differ")
+    # A revision that rounds otherwise (bf16 probabilities in the value product) may differ by
+    # rounding, never by more: both stay within 1 % of the output's magnitude of each other.
+    difference = (first.float() - second.float()).abs().max().item()
+    if difference > 0.01 * first.float().abs().max().item():
+        raise SystemExit(f"the two kernels' outputs differ by {difference:.3g}")
     kv_bytes = int(lens.sum()) * NUM_KV_HEADS * HEAD_DIM * 2 * q.element_size() * NUM_LAYERS
     medians = {name: statistics.median(t) for name, t in times.items()}
     print(f"batch {ns.batch}, contexts {int(lens.min())}-{int(lens.max())}, {ns.dtype}, "
@@ -85,7 +89,7 @@ def main() -> int:
         print(f"  {name:<14} {medians[name]:6.1f} ms per step ({kv_bytes / medians[name] / 1e6:.1f} GB/s); "
               f"rounds {', '.join(f'{x:.1f}' for x in t)}")
     old, new = medians.values()
-    print(f"  {ns.against} / working tree: {old / new:.2f}x")
+    print(f"  {ns.against} / working tree: {old / new:.2f}x; outputs differ by at most {difference:.3g}")
     return 0
 
 
