@@ -323,29 +323,47 @@ inline int64_t kv_heads_per_task(int64_t batch, int64_t num_kv_heads) {
   return span;
 }
 
+// What both decode kernels read of their inputs: sizes, strides and pointers. A task is one
+// sequence's KV heads [kv_head0, kv_head0 + span) and query heads [head0, head0 + heads).
+template <typename T>
+struct DecodeInputs {
+  int64_t batch, num_heads, dim, num_blocks, block_size, num_kv_heads, group;
+  int64_t q_seq_stride, q_head_stride, max_blocks, table_stride;
+  int64_t row_stride, block_stride;  // token rows num_kv_heads * dim apart, blocks block_size rows
+  int64_t span, tasks_per_seq, heads, slice_bytes;
+  const T* q_ptr;
+  const T* k_pages;
+  const T* v_pages;
+  const int64_t* table_ptr;
+  const int64_t* len_ptr;
+  T* out_ptr;
+
+  DecodeInputs(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& tables, const at::Tensor& lens,
+               at::Tensor& out)
+      : batch(q.size(0)), num_heads(q.size(1)), dim(q.size(2)), num_blocks(cache.size(1)),
+        block_size(cache.size(2)), num_kv_heads(cache.size(3)), group(num_heads / num_kv_heads),
+        q_seq_stride(q.stride(0)), q_head_stride(q.stride(1)), max_blocks(tables.size(1)),
+        table_stride(tables.stride(0)), row_stride(num_kv_heads * dim), block_stride(block_size * row_stride),
+        span(kv_heads_per_task(batch, num_kv_heads)), tasks_per_seq(num_kv_heads / span), heads(span * group),
+        slice_bytes(span * dim * int64_t(sizeof(T))), q_ptr(q.data_ptr<T>()), k_pages(cache.data_ptr<T>()),
+        v_pages(k_pages + num_blocks * block_stride), table_ptr(tables.data_ptr<int64_t>()),
+        len_ptr(lens.data_ptr<int64_t>()), out_ptr(out.data_ptr<T>()) {}
+
+  PageWalk<T> walk(int64_t seq, int64_t kv_head0) const {
+    return {table_ptr + seq * table_stride, num_blocks, block_size, row_stride, block_stride, kv_head0 * dim,
+            slice_bytes};
+  }
+};
+
 // C > 0: AVX-512 path for head_dim 16 * C (AVX2: 8 * C); C == 0: any head_dim.
 template <typename T, int C>
 void decode(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& tables,
             const at::Tensor& lens, at::Tensor& out, double scale, int64_t window) {
-  const int64_t batch = q.size(0), num_heads = q.size(1), dim = q.size(2);
-  const int64_t num_blocks = cache.size(1), block_size = cache.size(2), num_kv_heads = cache.size(3);
-  const int64_t group = num_heads / num_kv_heads;
-  const int64_t q_seq_stride = q.stride(0), q_head_stride = q.stride(1);
-  const int64_t max_blocks = tables.size(1), table_stride = tables.stride(0);
-  // Element offsets in the pages: token rows are num_kv_heads * dim apart, blocks block_size rows.
-  const int64_t row_stride = num_kv_heads * dim, block_stride = block_size * row_stride;
-  // A task: one sequence, KV heads [kv_head0, kv_head0 + span), query heads [head0, head0 + heads).
-  const int64_t span = kv_heads_per_task(batch, num_kv_heads), tasks_per_seq = num_kv_heads / span;
-  const int64_t heads = span * group, slice_bytes = span * dim * int64_t(sizeof(T));
-  const T* q_ptr = q.data_ptr<T>();
-  const T* k_pages = cache.data_ptr<T>();
-  const T* v_pages = k_pages + num_blocks * block_stride;
-  const int64_t* table_ptr = tables.data_ptr<int64_t>();
-  const int64_t* len_ptr = lens.data_ptr<int64_t>();
-  T* out_ptr = out.data_ptr<T>();
+  const DecodeInputs<T> in(q, cache, tables, lens, out);
+  const int64_t dim = in.dim, group = in.group, heads = in.heads, span = in.span;
   const float fscale = float(scale);
 
-  at::parallel_for(0, batch * tasks_per_seq, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, in.batch * in.tasks_per_seq, 1, [&](int64_t begin, int64_t end) {
     // Per thread: accumulators [heads, dim]; scores [heads, kTile]; running max and sum per
     // head; scratch for lane partial sums (kTile * 16) or widened rows (2 * dim).
     std::vector<float> work(heads * dim + heads * kTile + 2 * heads + kTile * 16 + 2 * dim);
@@ -358,18 +376,17 @@ void decode(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& tabl
     int64_t far_offsets[kTile];       // and of the tile being prefetched into L2
 
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t seq = task / tasks_per_seq, kv_head0 = (task % tasks_per_seq) * span;
+      const int64_t seq = task / in.tasks_per_seq, kv_head0 = (task % in.tasks_per_seq) * span;
       const int64_t head0 = kv_head0 * group;
-      const int64_t context_len = len_ptr[seq];
-      TORCH_CHECK(context_len >= 0 && context_len <= max_blocks * block_size,
+      const int64_t context_len = in.len_ptr[seq];
+      TORCH_CHECK(context_len >= 0 && context_len <= in.max_blocks * in.block_size,
                   "context length ", context_len, " outside the block table");
       const int64_t first = window > 0 ? std::max<int64_t>(0, context_len - window) : 0;
-      const int64_t* table = table_ptr + seq * table_stride;
       std::fill(acc, acc + heads * dim, 0.f);
       std::fill(run_max, run_max + heads, -std::numeric_limits<float>::infinity());
       std::fill(run_sum, run_sum + heads, 0.f);
 
-      const PageWalk<T> walk{table, num_blocks, block_size, row_stride, block_stride, kv_head0 * dim, slice_bytes};
+      const PageWalk<T> walk = in.walk(seq, kv_head0);
       // The next tile's keys and this tile's values into L1, keys and values kPrefetchTiles
       // tiles ahead into L2.
       auto fill_offsets = [&](int64_t start, int64_t n, int64_t* offsets) { walk.offsets(start, n, offsets); };
@@ -380,23 +397,23 @@ void decode(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& tabl
         if (start >= context_len) return;
         const int64_t n = std::min(kTile, context_len - start);
         fill_offsets(start, n, far_offsets);
-        prefetch(k_pages, far_offsets, n, 2);
-        prefetch(v_pages, far_offsets, n, 2);
+        prefetch(in.k_pages, far_offsets, n, 2);
+        prefetch(in.v_pages, far_offsets, n, 2);
       };
       int64_t* offsets = tile_offsets;
       int64_t* next_offsets = tile_offsets + kTile;
       if (first < context_len) {
         fill_offsets(first, std::min(kTile, context_len - first), offsets);
-        prefetch(k_pages, offsets, std::min(kTile, context_len - first), 3);
+        prefetch(in.k_pages, offsets, std::min(kTile, context_len - first), 3);
       }
       for (int64_t i = 1; i < kPrefetchTiles; ++i) prefetch_ahead(first + i * kTile);
       for (int64_t start = first; start < context_len; start += kTile) {
         const int64_t n = std::min(kTile, context_len - start);
-        prefetch(v_pages, offsets, n, 3);
+        prefetch(in.v_pages, offsets, n, 3);
         prefetch_ahead(start + kPrefetchTiles * kTile);
         for (int64_t h = 0; h < heads; ++h) {
-          const T* qh = q_ptr + seq * q_seq_stride + (head0 + h) * q_head_stride;
-          const T* keys = k_pages + (h / group) * dim;
+          const T* qh = in.q_ptr + seq * in.q_seq_stride + (head0 + h) * in.q_head_stride;
+          const T* keys = in.k_pages + (h / group) * dim;
           if constexpr (C > 0) {
             score_keys<T, C>(qh, keys, offsets, n, scores + h * kTile, scratch);
           } else {
@@ -416,10 +433,10 @@ void decode(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& tabl
         const int64_t next_start = start + kTile;
         if (next_start < context_len) {
           fill_offsets(next_start, std::min(kTile, context_len - next_start), next_offsets);
-          prefetch(k_pages, next_offsets, std::min(kTile, context_len - next_start), 3);
+          prefetch(in.k_pages, next_offsets, std::min(kTile, context_len - next_start), 3);
         }
         for (int64_t h = 0; h < heads; ++h) {
-          const T* values = v_pages + (h / group) * dim;
+          const T* values = in.v_pages + (h / group) * dim;
           if constexpr (C > 0) {
             accumulate_values<T, C>(acc + h * dim, values, offsets, n, scores + h * kTile);
           } else {
@@ -431,7 +448,7 @@ void decode(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& tabl
 
       for (int64_t h = 0; h < heads; ++h) {
         const float inv = run_sum[h] > 0.f ? 1.f / run_sum[h] : 0.f;
-        T* dst = out_ptr + (seq * num_heads + head0 + h) * dim;
+        T* dst = in.out_ptr + (seq * in.num_heads + head0 + h) * dim;
         for (int64_t i = 0; i < dim; ++i) dst[i] = T(acc[h * dim + i] * inv);
       }
     }
@@ -513,28 +530,17 @@ void decode_rows(const at::Tensor& q, const at::Tensor& cache, const at::Tensor&
                  const at::Tensor& lens, at::Tensor& out, double scale, int64_t window) {
   using T = c10::BFloat16;
   constexpr int64_t D = 16 * C;
-  const int64_t batch = q.size(0), num_heads = q.size(1);
-  const int64_t num_blocks = cache.size(1), block_size = cache.size(2), num_kv_heads = cache.size(3);
-  const int64_t group = num_heads / num_kv_heads;
+  const DecodeInputs<T> in(q, cache, tables, lens, out);
+  const int64_t group = in.group, heads = in.heads, span = in.span;
   TORCH_CHECK(group <= kMaxRowsGroup, "at most ", kMaxRowsGroup, " query heads per KV head");
-  const int64_t q_seq_stride = q.stride(0), q_head_stride = q.stride(1);
-  const int64_t max_blocks = tables.size(1), table_stride = tables.stride(0);
-  const int64_t row_stride = num_kv_heads * D, block_stride = block_size * row_stride;
-  const int64_t span = kv_heads_per_task(batch, num_kv_heads), tasks_per_seq = num_kv_heads / span;
-  const int64_t heads = span * group, slice_bytes = span * D * int64_t(sizeof(T));
-  const T* q_ptr = q.data_ptr<T>();
-  const T* k_pages = cache.data_ptr<T>();
-  const T* v_pages = k_pages + num_blocks * block_stride;
-  const int64_t* table_ptr = tables.data_ptr<int64_t>();
-  const int64_t* len_ptr = lens.data_ptr<int64_t>();
-  T* out_ptr = out.data_ptr<T>();
+  TORCH_CHECK(in.dim == D, "head_dim ", in.dim, " is not ", D);
   const float fscale = float(scale);
   int64_t longest = 0;
-  for (int64_t b = 0; b < batch; ++b) longest = std::max(longest, len_ptr[b]);
-  TORCH_CHECK(longest <= max_blocks * block_size, "context length ", longest, " outside the block table");
+  for (int64_t b = 0; b < in.batch; ++b) longest = std::max(longest, in.len_ptr[b]);
+  TORCH_CHECK(longest <= in.max_blocks * in.block_size, "context length ", longest, " outside the block table");
   const int64_t row_len = (longest + kTile - 1) / kTile * kTile;
 
-  at::parallel_for(0, batch * tasks_per_seq, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, in.batch * in.tasks_per_seq, 1, [&](int64_t begin, int64_t end) {
     // Per thread: accumulators [heads, D]; score rows [heads, row_len]; lane partial sums of a
     // tile per query head of a group; probabilities [heads, row_len] in bf16.
     std::vector<float> work(heads * D + heads * row_len + kMaxRowsGroup * kTile * 16);
@@ -545,26 +551,25 @@ void decode_rows(const at::Tensor& q, const at::Tensor& cache, const at::Tensor&
     std::vector<float> inv_sum(heads);
     __m512i value_pairs[kTile / 2 * C];
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t seq = task / tasks_per_seq, kv_head0 = (task % tasks_per_seq) * span;
+      const int64_t seq = task / in.tasks_per_seq, kv_head0 = (task % in.tasks_per_seq) * span;
       const int64_t head0 = kv_head0 * group;
-      const int64_t context_len = len_ptr[seq];
+      const int64_t context_len = in.len_ptr[seq];
       TORCH_CHECK(context_len >= 0, "negative context length ", context_len);
       const int64_t first = window > 0 ? std::max<int64_t>(0, context_len - window) : 0;
       const int64_t count = context_len - first;
-      const PageWalk<T> walk{table_ptr + seq * table_stride, num_blocks, block_size, row_stride, block_stride,
-                             kv_head0 * D, slice_bytes};
+      const PageWalk<T> walk = in.walk(seq, kv_head0);
       std::fill(acc, acc + heads * D, 0.f);
 
       // Pass 1: scores[h][key - first] = q_h . key (unscaled).
-      for_each_tile(walk, k_pages, first, context_len, [&](int64_t start, int64_t n, const int64_t* offsets) {
+      for_each_tile(walk, in.k_pages, first, context_len, [&](int64_t start, int64_t n, const int64_t* offsets) {
         for (int64_t kv = 0; kv < span; ++kv) {
           __m512bh qv[kMaxRowsGroup][C / 2];
           for (int64_t g = 0; g < group; ++g) {
-            const T* qh = q_ptr + seq * q_seq_stride + (head0 + kv * group + g) * q_head_stride;
+            const T* qh = in.q_ptr + seq * in.q_seq_stride + (head0 + kv * group + g) * in.q_head_stride;
             for (int c = 0; c < C / 2; ++c) qv[g][c] = (__m512bh)_mm512_loadu_si512(qh + 32 * c);
           }
           for (int64_t j = 0; j < n; ++j) {
-            const T* k = k_pages + offsets[j] + kv * D;
+            const T* k = in.k_pages + offsets[j] + kv * D;
             __m512bh kk[C / 2];
             for (int c = 0; c < C / 2; ++c) kk[c] = (__m512bh)_mm512_loadu_si512(k + 32 * c);
             for (int64_t g = 0; g < group; ++g) {
@@ -593,9 +598,9 @@ void decode_rows(const at::Tensor& q, const at::Tensor& cache, const at::Tensor&
       }
 
       // Pass 3: acc_h += p_j * v_j, two keys per instruction.
-      for_each_tile(walk, v_pages, first, context_len, [&](int64_t start, int64_t n, const int64_t* offsets) {
+      for_each_tile(walk, in.v_pages, first, context_len, [&](int64_t start, int64_t n, const int64_t* offsets) {
         for (int64_t kv = 0; kv < span; ++kv) {
-          interleave_values<C>(v_pages + kv * D, offsets, n, value_pairs);
+          interleave_values<C>(in.v_pages + kv * D, offsets, n, value_pairs);
           for (int64_t h = kv * group; h < (kv + 1) * group; ++h) {
             const T* p = probs.data() + h * row_len + (start - first);
             __m512 a[C];
@@ -613,7 +618,7 @@ void decode_rows(const at::Tensor& q, const at::Tensor& cache, const at::Tensor&
       });
 
       for (int64_t h = 0; h < heads; ++h) {
-        T* dst = out_ptr + (seq * num_heads + head0 + h) * D;
+        T* dst = in.out_ptr + (seq * in.num_heads + head0 + h) * D;
         for (int64_t i = 0; i < D; ++i) dst[paired_lane_dim(i)] = T(acc[h * D + i] * inv_sum[h]);
       }
     }
