@@ -138,7 +138,7 @@ def prefill_case(n: int, start_pos: int, heads: int, kv_heads: int, dim: int, se
 
 
 needs_prefill_kernel = pytest.mark.skipif(
-    not paged_attention_cpu.is_available() or not paged_attention_cpu._load().has_prefill_attention(),
+    not paged_attention_cpu.is_available() or not paged_attention_cpu._has_prefill_attention(),
     reason="the prefill attention kernel needs a CPU with AVX512-BF16",
 )
 

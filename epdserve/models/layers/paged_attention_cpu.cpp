@@ -477,6 +477,14 @@ inline int64_t paired_lane_dim(int64_t i) {
   return chunk * 32 + (lane / 4) * 8 + half * 4 + lane % 4;
 }
 
+// out[j] = bf16(s[j]) for j < n, rounding to nearest even as torch does.
+inline void round_bf16_row(const float* s, int64_t n, c10::BFloat16* out) {
+  for (int64_t j = 0; j < n; j += 16) {
+    const __mmask16 m = first_lanes(n - j);
+    _mm256_mask_storeu_epi16(out + j, m, (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, s + j)));
+  }
+}
+
 // pairs[(j / 2) * C + c]: keys j and j+1 interleaved, C vectors per pair (an odd last key is
 // paired with itself; its partner's probability is 0).
 template <int C>
@@ -590,11 +598,7 @@ void decode_rows(const at::Tensor& q, const at::Tensor& cache, const at::Tensor&
         float* s = scores + h * row_len;
         const float sum = exp_shifted(s, count, scale_scores(s, count, fscale));
         inv_sum[h] = sum > 0.f ? 1.f / sum : 0.f;
-        T* p = probs.data() + h * row_len;
-        for (int64_t j = 0; j < count; j += 16) {
-          const __m512 e = _mm512_maskz_loadu_ps(first_lanes(count - j), s + j);
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + j), (__m256i)_mm512_cvtneps_pbh(e));
-        }
+        round_bf16_row(s, count, probs.data() + h * row_len);
       }
 
       // Pass 3: acc_h += p_j * v_j, two keys per instruction.
@@ -738,7 +742,6 @@ void prefill(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::
   });
 
   const int64_t row_blocks = (n + kPrefillRows - 1) / kPrefillRows;
-  const float neg_inf = -std::numeric_limits<float>::infinity();
   at::parallel_for(0, num_heads * row_blocks, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(kPrefillRows * padded);
     std::vector<bf16> probs(kPrefillRows * padded);
@@ -771,7 +774,8 @@ void prefill(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::
         for (int i = 0; i < kPrefillRows; ++i) _mm512_storeu_ps(scores.data() + i * padded + tile, acc[i]);
       }
 
-      // Softmax per row over its own keys [lo, hi); probabilities elsewhere in [k0, k1) are 0.
+      // Softmax per row over its own keys [lo, hi) (the decode kernels' scale_scores and
+      // exp_shifted); probabilities elsewhere in [k0, k1) are 0.
       for (int64_t i = 0; i < kPrefillRows; ++i) {
         float* s = scores.data() + i * padded;
         bf16* pr = probs.data() + i * padded;
@@ -782,25 +786,10 @@ void prefill(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::
         }
         const int64_t pos = start_pos + row0 + i;
         const int64_t lo = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0, hi = pos + 1;
-        __m512 vmax = _mm512_set1_ps(neg_inf);
-        for (int64_t j = k0; j < k1; j += 16) {
-          const uint32_t below_hi = j + 16 <= hi ? 0xFFFFu : (j >= hi ? 0u : (1u << (hi - j)) - 1);
-          const uint32_t from_lo = j >= lo ? 0xFFFFu : (j + 16 <= lo ? 0u : ~((1u << (lo - j)) - 1));
-          const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(s + j), _mm512_set1_ps(scale));
-          const __m512 masked = _mm512_mask_blend_ps(__mmask16(below_hi & from_lo), _mm512_set1_ps(neg_inf), x);
-          _mm512_storeu_ps(s + j, masked);
-          vmax = _mm512_max_ps(vmax, masked);
-        }
-        const __m512 row_max = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
-        __m512 vsum = _mm512_setzero_ps();
-        for (int64_t j = k0; j < k1; j += 16) {
-          const __m512 x = _mm512_loadu_ps(s + j);
-          const __mmask16 seen = _mm512_cmp_ps_mask(x, _mm512_set1_ps(neg_inf), _CMP_NEQ_OQ);
-          const __m512 e = _mm512_maskz_mov_ps(seen, exp_nonpositive(_mm512_sub_ps(x, row_max)));
-          vsum = _mm512_add_ps(vsum, e);
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + j), (__m256i)_mm512_cvtneps_pbh(e));
-        }
-        row_sum[i] = _mm512_reduce_add_ps(vsum);
+        row_sum[i] = exp_shifted(s + lo, hi - lo, scale_scores(s + lo, hi - lo, scale));
+        std::fill(pr + k0, pr + lo, bf16(0.f));
+        round_bf16_row(s + lo, hi - lo, pr + lo);
+        std::fill(pr + hi, pr + k1, bf16(0.f));
       }
 
       // out rows = probs @ values, R rows x C vectors of accumulators at a time.

@@ -39,6 +39,7 @@ step spent more time in than in its attention); ``llama.LlamaModel`` decides whe
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import time
@@ -178,6 +179,14 @@ def _cpu_has_amx() -> bool:
 _PREFILL_KERNEL_PREFERRED = not _cpu_has_amx()
 
 
+@functools.cache
+def _has_prefill_attention() -> bool:
+    """The extension was built with the prefill kernel (a compile-time fact of the build, asked
+    once rather than at every layer's call). Requires ``is_available()``."""
+    module = _load()
+    return module is not None and module.has_prefill_attention()
+
+
 def can_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """``prefill_attention`` can take these and is the faster kernel here: bfloat16 CPU
     tensors, unit last strides, a head size it has registers for, the extension built for a
@@ -189,7 +198,7 @@ def can_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
         and q.shape[-1] in PREFILL_HEAD_DIMS
         and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
         and is_available()
-        and _load().has_prefill_attention()
+        and _has_prefill_attention()
     )
 
 
