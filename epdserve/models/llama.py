@@ -29,7 +29,7 @@ from epdserve.models.layers.linear import (
     QKVParallelLinear,
     RowParallelLinear,
 )
-from epdserve.models.layers.packed_linear import padded_rows
+from epdserve.models.layers.packed_linear import linear_rows
 from epdserve.models.layers.norm import QKNorm, RMSNorm
 from epdserve.models.layers.rotary import RopeConfig, RotaryEmbedding, apply_rotary
 from epdserve.models.spec import ModelSpec
@@ -261,7 +261,7 @@ class LlamaModel(nn.Module):
             hidden, cos_sin, fused.params, caches, [g.slot_mapping for g in meta.groups],
             [g.block_tables for g in meta.groups], [meta.layer_to_group[i] for i in fused.layer_idxs],
             fused.windows, meta.decode_context_lens, self.norm.weight, fused.num_heads, fused.num_kv_heads,
-            fused.head_dim, fused.scale, self.eps, fused.packed, padded_rows(batch),
+            fused.head_dim, fused.scale, self.eps, fused.packed, linear_rows(batch, hidden.dtype, fused.packed),
         )
 
 

@@ -37,10 +37,19 @@ def pack(weight: torch.Tensor, batch_hint: int = DEFAULT_BATCH_HINT) -> torch.Te
 
 EXACT_ROWS = 64  # decode batches: memory-bound, where padding rows would cost the most
 
+# Rows are padded so that a row's output is the same bits whatever else is in its step (a
+# sequence decoding alone, beside others, or beside a prompt): the BLAS libraries sum some row
+# counts in another order. Measured on AVX-512 (tests/unit/test_batch_invariance.py): oneDNN's
+# bf16 matmul takes a path of its own for one row and one order for any two or more; MKL's
+# float32 matmul runs blocks of four rows and sums a block's one-to-three-row tail otherwise.
+MIN_ROWS = 2  # bf16 (and other reduced-precision) matmuls
+FLOAT32_ROW_MULTIPLE = 4
+
 
 def padded_rows(num_rows: int) -> int:
-    """The row count a packed matmul runs with: exact up to ``EXACT_ROWS``, above that rounded up
-    to a multiple of 1/8 of its power of two (65-128 by 8, 129-256 by 16, ...: under 1/8 extra).
+    """The row count a packed matmul runs with: at least ``MIN_ROWS``, exact up to
+    ``EXACT_ROWS``, above that rounded up to a multiple of 1/8 of its power of two (65-128 by 8,
+    129-256 by 16, ...: under 1/8 extra).
 
     oneDNN builds and caches a primitive per input shape, each with buffers of its own, and a
     serving worker's steps have every row count from 1 to the token budget: with exact shapes
@@ -48,19 +57,35 @@ def padded_rows(num_rows: int) -> int:
     100 row counts up to 2048 it stays bounded.
     """
     if num_rows <= EXACT_ROWS:
-        return num_rows
+        return max(num_rows, MIN_ROWS)
     step = 1 << (num_rows.bit_length() - 4)  # num_rows in (2^k, 2^(k+1)]: step 2^(k-3)
     return -(-num_rows // step) * step
 
 
+def linear_rows(num_rows: int, dtype: torch.dtype, packed: bool) -> int:
+    """Rows a CPU matmul of ``num_rows`` runs with: ``padded_rows`` for packed weights; for
+    plain ones, float32 in whole blocks of ``FLOAT32_ROW_MULTIPLE``, others at least
+    ``MIN_ROWS``."""
+    if packed:
+        return padded_rows(num_rows)
+    if dtype == torch.float32:
+        return -(-num_rows // FLOAT32_ROW_MULTIPLE) * FLOAT32_ROW_MULTIPLE
+    return max(num_rows, MIN_ROWS)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None) -> torch.Tensor:
-    if packed is None or x.dim() != 2:
+    """``x @ weight.T + bias``, on the CPU with ``linear_rows`` rows (no row count makes
+    cuBLAS's kernels batch-invariant: CUDA runs the rows as they come)."""
+    if x.dim() != 2 or x.device.type != "cpu":
         return F.linear(x, weight, bias)
     num_rows = x.shape[0]
-    rows = padded_rows(num_rows)
+    rows = linear_rows(num_rows, x.dtype, packed is not None)
     if rows != num_rows:
         x = F.pad(x, (0, 0, 0, rows - num_rows))
-    out = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    if packed is None:
+        out = F.linear(x, weight, bias)
+    else:
+        out = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     return out if rows == num_rows else out[:num_rows]
 
 

@@ -1267,14 +1267,17 @@ at::Tensor fused_linear(const at::Tensor& x, const at::Tensor& weight, const at:
                         int64_t rows) {
   std::optional<at::Tensor> b;
   if (bias.numel()) b = bias;
-  if (!packed) return at::linear(x, weight, b);
+  const int64_t n = x.size(0);
+  const at::Tensor in = rows == n ? x : at::constant_pad_nd(x, {0, 0, 0, rows - n});
+  if (!packed) {
+    const at::Tensor out = at::linear(in, weight, b);
+    return rows == n ? out : out.narrow(0, 0, n);
+  }
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
                        .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
                                          c10::string_view, c10::List<std::optional<at::Scalar>>,
                                          std::optional<c10::string_view>)>();
-  const int64_t n = x.size(0);
-  const at::Tensor in = rows == n ? x : at::constant_pad_nd(x, {0, 0, 0, rows - n});
   at::Tensor out = op.call(in, weight, b, "none", c10::List<std::optional<at::Scalar>>(), c10::string_view(""));
   return rows == n ? out : out.narrow(0, 0, n);
 }
@@ -1285,7 +1288,7 @@ at::Tensor fused_linear(const at::Tensor& x, const at::Tensor& weight, const at:
 // [B, hidden]. Per layer, kParamsPerLayer tensors in ``params`` (an empty tensor: absent):
 // input norm, qkv weight, qkv bias, qk-norm weight [H + KVH, D], o weight, o bias,
 // post-attention norm, gate_up weight, gate_up bias, down weight, down bias. Weights are oneDNN
-// packed where ``packed`` (run with ``linear_rows`` rows, the batch padded), plain otherwise.
+// packed where ``packed``, plain otherwise; every matmul runs on ``linear_rows`` rows (the batch padded).
 // caches[l] [2, blocks, block_size, KVH, D]; slot_mappings / block_tables per KV group;
 // layer_to_group and sliding_windows (0: none) per layer; context_lens [B] int64.
 at::Tensor decode_layers(at::Tensor hidden, const at::Tensor& cos_sin, const std::vector<at::Tensor>& params,

@@ -292,8 +292,8 @@ def decode_layers(
     embeddings, overwritten) -> the final norm's output [B, hidden], writing each layer's K and
     V into its pages as ``Attention`` does. ``params``: DECODE_LAYER_PARAMS tensors per layer
     (input norm, qkv weight and bias, qk-norm weight, o weight and bias, post-attention norm,
-    gate_up weight and bias, down weight and bias); weights oneDNN-packed where ``packed``, whose
-    matmuls run on ``linear_rows`` rows (``packed_linear.padded_rows``). Requires
+    gate_up weight and bias, down weight and bias); weights oneDNN-packed where ``packed``; every
+    matmul runs on ``linear_rows`` rows (``packed_linear.linear_rows``). Requires
     ``is_available()``."""
     module = _load()
     assert module is not None, "decode_layers called without is_available()"
