@@ -662,8 +662,10 @@ void dispatch(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& ta
 
 }  // namespace
 
-at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& block_tables,
-                                  const at::Tensor& context_lens, double scale, int64_t sliding_window) {
+// out [B, H, D] (contiguous, q's dtype) = paged_decode_attention(q, ...), written in place.
+void paged_decode_attention_into(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& block_tables,
+                                 const at::Tensor& context_lens, at::Tensor& out, double scale,
+                                 int64_t sliding_window) {
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [B, H, D] with unit last stride");
   TORCH_CHECK(cache.dim() == 5 && cache.size(0) == 2 && cache.is_contiguous(),
               "cache must be contiguous [2, num_blocks, block_size, KVH, D]");
@@ -674,13 +676,20 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& cache, 
   TORCH_CHECK(context_lens.dim() == 1 && context_lens.size(0) == q.size(0) && context_lens.is_contiguous() &&
               context_lens.scalar_type() == at::kLong, "context_lens must be contiguous int64 [B]");
   TORCH_CHECK(q.device().is_cpu() && cache.device().is_cpu(), "CPU tensors only");
-  at::Tensor out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
+  TORCH_CHECK(out.is_contiguous() && out.sizes() == q.sizes() && out.scalar_type() == q.scalar_type() &&
+                  out.device().is_cpu(), "out must be contiguous, q's shape and dtype");
   if (q.scalar_type() == at::kFloat) {
     dispatch<float>(q, cache, block_tables, context_lens, out, scale, sliding_window);
   } else {
     TORCH_CHECK(q.scalar_type() == at::kBFloat16, "float32 or bfloat16 only");
     dispatch<c10::BFloat16>(q, cache, block_tables, context_lens, out, scale, sliding_window);
   }
+}
+
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& block_tables,
+                                  const at::Tensor& context_lens, double scale, int64_t sliding_window) {
+  at::Tensor out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
+  paged_decode_attention_into(q, cache, block_tables, context_lens, out, scale, sliding_window);
   return out;
 }
 
@@ -1263,23 +1272,16 @@ namespace {
 
 constexpr int64_t kParamsPerLayer = 11;  // see decode_layers
 
-at::Tensor fused_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, bool packed,
-                        int64_t rows) {
+at::Tensor fused_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, bool packed) {
   std::optional<at::Tensor> b;
   if (bias.numel()) b = bias;
-  const int64_t n = x.size(0);
-  const at::Tensor in = rows == n ? x : at::constant_pad_nd(x, {0, 0, 0, rows - n});
-  if (!packed) {
-    const at::Tensor out = at::linear(in, weight, b);
-    return rows == n ? out : out.narrow(0, 0, n);
-  }
+  if (!packed) return at::linear(x, weight, b);
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
                        .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
                                          c10::string_view, c10::List<std::optional<at::Scalar>>,
                                          std::optional<c10::string_view>)>();
-  at::Tensor out = op.call(in, weight, b, "none", c10::List<std::optional<at::Scalar>>(), c10::string_view(""));
-  return rows == n ? out : out.narrow(0, 0, n);
+  return op.call(x, weight, b, "none", c10::List<std::optional<at::Scalar>>(), c10::string_view(""));
 }
 
 }  // namespace
@@ -1304,9 +1306,15 @@ at::Tensor decode_layers(at::Tensor hidden, const at::Tensor& cos_sin, const std
                   static_cast<int64_t>(sliding_windows.size()) == num_layers,
               "per-layer arguments do not match the layer count");
   TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous(), "hidden must be contiguous [B, hidden]");
-  const int64_t batch = hidden.size(0);
-  TORCH_CHECK(linear_rows >= batch, "linear_rows below the batch");
+  const int64_t batch = hidden.size(0), rows = linear_rows;
+  TORCH_CHECK(rows >= batch, "linear_rows below the batch");
   const int64_t qk_width = (num_heads + num_kv_heads) * head_dim;
+  // Every activation has the matmuls' row count from the start (rows past the batch: zeros, and
+  // whatever finite values the layers make of them; no row's output depends on another's), so
+  // no matmul pads its input; attention writes the batch's rows of a buffer zeroed once.
+  if (rows != batch) hidden = at::constant_pad_nd(hidden, {0, 0, 0, rows - batch});
+  at::Tensor attn = at::zeros({rows, num_heads, head_dim}, hidden.options());
+  at::Tensor attn_rows = attn.narrow(0, 0, batch);
   at::Tensor residual;
   for (int64_t layer = 0; layer < num_layers; ++layer) {
     const at::Tensor* p = params.data() + layer * kParamsPerLayer;
@@ -1316,10 +1324,11 @@ at::Tensor decode_layers(at::Tensor hidden, const at::Tensor& cos_sin, const std
     } else {
       add_rms_norm_(hidden, residual, p[0], eps);
     }
-    const at::Tensor qkv = fused_linear(hidden, p[1], p[2], packed, linear_rows);
+    const at::Tensor qkv = fused_linear(hidden, p[1], p[2], packed);
     TORCH_CHECK(qkv.size(1) == qk_width + num_kv_heads * head_dim, "qkv width does not match the heads");
-    at::Tensor qk = qkv.narrow(1, 0, qk_width).view({batch, num_heads + num_kv_heads, head_dim});
-    const at::Tensor v = qkv.narrow(1, qk_width, num_kv_heads * head_dim).view({batch, num_kv_heads, head_dim});
+    at::Tensor qk = qkv.narrow(0, 0, batch).narrow(1, 0, qk_width).view({batch, num_heads + num_kv_heads, head_dim});
+    const at::Tensor v =
+        qkv.narrow(0, 0, batch).narrow(1, qk_width, num_kv_heads * head_dim).view({batch, num_kv_heads, head_dim});
     if (p[3].numel()) qk = at::rms_norm(qk, {head_dim}, std::nullopt, eps).mul_(p[3]);
     rotary_(qk, cos_sin);
     const at::Tensor& cache = caches[layer];
@@ -1332,13 +1341,13 @@ at::Tensor decode_layers(at::Tensor hidden, const at::Tensor& cos_sin, const std
     const at::Tensor& slots = slot_mappings[group];
     cache.select(0, 0).view({-1, num_kv_heads, head_dim}).index_copy_(0, slots, qk.narrow(1, num_heads, num_kv_heads));
     cache.select(0, 1).view({-1, num_kv_heads, head_dim}).index_copy_(0, slots, v);
-    const at::Tensor attn = paged_decode_attention(qk.narrow(1, 0, num_heads), cache, block_tables[group],
-                                                   context_lens, scale, sliding_windows[layer]);
-    at::Tensor out = fused_linear(attn.view({batch, num_heads * head_dim}), p[4], p[5], packed, linear_rows);
+    paged_decode_attention_into(qk.narrow(1, 0, num_heads), cache, block_tables[group], context_lens, attn_rows,
+                                scale, sliding_windows[layer]);
+    at::Tensor out = fused_linear(attn.view({rows, num_heads * head_dim}), p[4], p[5], packed);
     add_rms_norm_(out, residual, p[6], eps);
-    const at::Tensor gate_up = fused_linear(out, p[7], p[8], packed, linear_rows);
-    hidden = fused_linear(silu_and_mul(gate_up), p[9], p[10], packed, linear_rows);
+    const at::Tensor gate_up = fused_linear(out, p[7], p[8], packed);
+    hidden = fused_linear(silu_and_mul(gate_up), p[9], p[10], packed);
   }
   add_rms_norm_(hidden, residual, final_norm, eps);
-  return hidden;
+  return rows == batch ? hidden : hidden.narrow(0, 0, batch);
 }
