@@ -1286,7 +1286,7 @@ at::Tensor fused_linear(const at::Tensor& x, const at::Tensor& weight, const at:
 
 }  // namespace
 
-// hidden [B, hidden] (the step's token embeddings, overwritten) -> the final norm's output
+// hidden [B, hidden] (the step's token embeddings, used as scratch) -> the final norm's output
 // [B, hidden]. Per layer, kParamsPerLayer tensors in ``params`` (an empty tensor: absent):
 // input norm, qkv weight, qkv bias, qk-norm weight [H + KVH, D], o weight, o bias,
 // post-attention norm, gate_up weight, gate_up bias, down weight, down bias. Weights are oneDNN

@@ -289,7 +289,7 @@ def decode_layers(
     num_kv_heads: int, head_dim: int, scale: float, eps: float, packed: bool, linear_rows: int,
 ) -> torch.Tensor:
     """A Llama-family decoder over B single-token sequences: hidden [B, hidden] (the token
-    embeddings, overwritten) -> the final norm's output [B, hidden], writing each layer's K and
+    embeddings, used as scratch) -> the final norm's output [B, hidden], writing each layer's K and
     V into its pages as ``Attention`` does. ``params``: DECODE_LAYER_PARAMS tensors per layer
     (input norm, qkv weight and bias, qk-norm weight, o weight and bias, post-attention norm,
     gate_up weight and bias, down weight and bias); weights oneDNN-packed where ``packed``; every
