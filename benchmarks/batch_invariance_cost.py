@@ -1,6 +1,7 @@
-"""What the batch-invariant row rule costs a decode step: steps with every matmul on at least
-``packed_linear.MIN_ROWS`` rows against steps with the rule off (``MIN_ROWS = 1``: one row
-runs oneDNN's one-row path), alternating in one process on one engine.
+"""What the batch-invariant row rule costs a decode step: steps with every matmul on the rows
+``packed_linear.linear_rows`` gives against steps with the rule off (``MIN_ROWS`` and
+``FLOAT32_ROW_MULTIPLE`` 1: a row alone runs the libraries' one-row paths), alternating in one
+process on one engine.
 
     python benchmarks/batch_invariance_cost.py [--model smollm2|gemma3] [--batch 1]
         [--rounds 20] [--steps 20]
@@ -39,21 +40,22 @@ def main() -> None:
     for _ in range(-(-64 * args.batch // 2048) + 2):  # the prompts' prefill and a first decode step
         engine.step()
 
-    rule = packed_linear.MIN_ROWS
-    times: dict[int, list[float]] = {rule: [], 1: []}
+    rule = (packed_linear.MIN_ROWS, packed_linear.FLOAT32_ROW_MULTIPLE)
+    times: dict[str, list[float]] = {"on": [], "off": []}
     for r in range(args.rounds):
-        for min_rows in (rule, 1) if r % 2 == 0 else (1, rule):
-            packed_linear.MIN_ROWS = min_rows
+        for arm in ("on", "off") if r % 2 == 0 else ("off", "on"):
+            packed_linear.MIN_ROWS, packed_linear.FLOAT32_ROW_MULTIPLE = rule if arm == "on" else (1, 1)
             start = time.perf_counter()
             for _ in range(args.steps):
                 engine.step()
-            times[min_rows].append((time.perf_counter() - start) / args.steps * 1e3)
-    packed_linear.MIN_ROWS = rule
-    on, off = statistics.median(times[rule]), statistics.median(times[1])
+            times[arm].append((time.perf_counter() - start) / args.steps * 1e3)
+    packed_linear.MIN_ROWS, packed_linear.FLOAT32_ROW_MULTIPLE = rule
+    on, off = statistics.median(times["on"]), statistics.median(times["off"])
     print(f"model {args.model or 'default'}, dtype {engine.config.dtype}, batch {args.batch}")
-    print(f"rule on (MIN_ROWS {rule}): {on:.2f} ms per decode step (median of {args.rounds} rounds)")
-    print(f"rule off (MIN_ROWS 1):  {off:.2f} ms")
-    ratios = [a / b for a, b in zip(times[rule], times[1])]
+    print(f"rule on (MIN_ROWS {rule[0]}, float32 rows by {rule[1]}): {on:.2f} ms per decode step "
+          f"(median of {args.rounds} rounds)")
+    print(f"rule off (1, 1):  {off:.2f} ms")
+    ratios = [a / b for a, b in zip(times["on"], times["off"])]
     print(f"on / off, median of the rounds' ratios: {statistics.median(ratios):.3f}x step time "
           f"(rounds {', '.join(f'{x:.2f}' for x in ratios)})")
 

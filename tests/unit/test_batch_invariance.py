@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import PROMPTS
+from conftest import PROMPTS, assert_all_blocks_free
 
 from epdserve.config import EngineArgs, cpu_has_fast_bf16
 from epdserve.engine.engine import LLMEngine
@@ -85,6 +85,7 @@ def test_output_same_alone_and_batched(engine, case):
     assert len(alone[0]) == TRACKED.max_tokens
     assert beside[0] == alone[0]
     assert beside[1] == alone[1]  # every log-probability the same bits
+    assert_all_blocks_free(engine)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
