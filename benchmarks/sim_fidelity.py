@@ -87,8 +87,8 @@ from epdserve.bench.experiments.report import (
     pyplot,
     save_figure,
 )
+from epdserve.bench import host_slo
 from epdserve.bench.traces import read_any_trace
-from epdserve.engine.step_shape import StepShape
 from epdserve.envs import get_traces_dir
 from epdserve.planner.calibrate import neighbour_split, read_step_trace, step_parts
 from epdserve.sim.cost_model import CostModel
@@ -151,17 +151,15 @@ class Scale:
 
 FULL = Scale(160, 16, 150, 256, 96, 0.25, (0.5, 1.0, 1.5), (0.5, 1.0), 160, 0.2, False, True, 3, 20.0)
 QUICK = Scale(10, 4, 24, 64, 8, 0.25, (0.5, 1.0), (1.0,), 10, 0.05, True, False, 2, 0.0)
-# SLO from the profile (no --slo-ttft-ms / --slo-tpot-ms), per workload: TTFT within this many
-# times one request's prefill alone (with images: its images' encode plus the prefill of its
-# text and image tokens), TPOT within this many times a decode step of one sequence, on the
-# colocated role's cost. Runs 1-11 (docs/benchmarks.md) used a fixed 1000 / 80 ms
+# SLO from the profile (no --slo-ttft-ms / --slo-tpot-ms), per workload, by the rules of
+# epdserve.bench.host_slo: TTFT within TTFT_PREFILLS times one request's prefill alone (with
+# images: its images' encode plus the prefill of its text and image tokens), TPOT within
+# TPOT_STEPS times a decode step of one sequence, on the colocated role's cost. Runs 1-11 (docs/benchmarks.md) used a fixed 1000 / 80 ms
 # (--slo-ttft-ms 1000 --slo-tpot-ms 80), set for their AVX-512 host; on a slower host a decode
 # step of one sequence alone can take longer than 80 ms, and no rate would meet that SLO. One
 # SLO for text and image requests alike would not do either: one image's encode can take about
 # as long as the text prompt's prefill and its tokens double the prompt, so that a request with
 # an image, alone, can miss a text prompt's TTFT SLO.
-SLO_TTFT_PREFILLS = 4.0
-SLO_TPOT_STEPS = 5.0
 
 
 class Slo(NamedTuple):
@@ -271,16 +269,13 @@ def profile_roles(topologies: list[str]) -> str:
 
 
 def slo_from_profile(profile: Path, scale: Scale, workload: Workload) -> Slo:
-    """The SLO in ms, rounded to 10 ms, from the profile's colocated step cost (and encoder cost
-    for a workload with images) on a request of the random workload's mean length."""
+    """The SLO in ms (``epdserve.bench.host_slo``'s rules) from the profile's colocated step cost
+    (and encoder cost for a workload with images) on a request of the random workload's mean length."""
     cost = CostModel.load(profile)
     step = cost.role("colocated").step
     n = scale.input_len + workload.num_image_tokens(profile)
-    prefill_s = step.time_s(StepShape(n, n * (n + 1) // 2, 0, 0))
-    if workload.num_images:
-        prefill_s += workload.num_images * cost.encoder().time_s(IMAGE_TILES)
-    decode_s = step.time_s(StepShape(0, 0, 1, n + scale.output_len // 2))
-    return Slo(round(SLO_TTFT_PREFILLS * prefill_s * 100) * 10.0, round(SLO_TPOT_STEPS * decode_s * 100) * 10.0)
+    encode_s = workload.num_images * cost.encoder().time_s(IMAGE_TILES) if workload.num_images else 0.0
+    return Slo(host_slo.ttft_slo_ms(step, n, encode_s), host_slo.tpot_slo_ms(step, n + scale.output_len // 2))
 
 
 def with_slo(workload: Workload, profile: Path, scale: Scale, ttft_ms: float | None,
@@ -948,10 +943,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-wait-idle-s", type=float, default=600.0,
                         help="before each level, wait up to this long for other work to leave the CPUs")
     parser.add_argument("--slo-ttft-ms", type=float, default=None,
-                        help=f"TTFT SLO (default, per workload: {SLO_TTFT_PREFILLS:g} x one request's prefill, "
+                        help=f"TTFT SLO (default, per workload: {host_slo.TTFT_PREFILLS:g} x one request's prefill, "
                              "and encode with images, on the profile)")
     parser.add_argument("--slo-tpot-ms", type=float, default=None,
-                        help=f"TPOT SLO (default: {SLO_TPOT_STEPS:g} x a decode step of one sequence on the profile)")
+                        help=f"TPOT SLO (default: {host_slo.TPOT_STEPS:g} x a decode step of one sequence on the profile)")
     ns = parser.parse_args(argv)
     if ns.rejudge is not None:
         if not (ns.rejudge / "results.json").is_file():

@@ -54,13 +54,13 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import httpx
 import numpy as np
 
-from epdserve.bench import BenchError
+from epdserve.bench import BenchError, host_slo
 from epdserve.bench.experiments import cpu_quota
 from epdserve.bench.experiments.launch import (
     RunningServer,
@@ -78,6 +78,7 @@ from epdserve.cluster.local import available_cores
 from epdserve.envs import EPDSERVE_TRACES_DIR, get_traces_dir
 from epdserve.errors import ConfigError
 from epdserve.roles import Role, parse_role_counts
+from epdserve.sim.cost_model import CostModel
 
 TRACE_FILE = "mooncake_conversation.jsonl"
 BLOCK_SIZE = 16  # the engine's default --block-size
@@ -134,7 +135,7 @@ class Scale:
     max_input_len: int  # trace tokens, before length_scale
     length_scale: float
     probe_rates: tuple[float, ...]  # req/s, rising: the baseline's knee is looked for on this ladder
-    slo_ttft_ms: float
+    slo_ttft_ms: float | None  # None: sized to the host from its profile (``slo_for_host``)
     slo_tpot_ms: float
     num_kv_blocks: int  # per worker
     decode_num_kv_blocks: int  # per decode worker: it holds every running sequence's whole context
@@ -161,7 +162,7 @@ class Scale:
 # trace puts 20-30 sequences on the decode worker's one core, 75-105 ms a step, in every arm.
 PROBE_RATES = (0.1, 0.12, 0.15, 0.18, 0.22, 0.27, 0.33, 0.4, 0.5, 0.6, 0.7, 0.8, 1.0, 1.2, 1.4, 1.6, 1.9, 2.3, 2.8,
                3.3, 4.0, 4.8, 5.8, 7.0)
-FULL = Scale(32, 4, 9600, 0.1, PROBE_RATES, 1000.0, 200.0,
+FULL = Scale(32, 4, 9600, 0.1, PROBE_RATES, None, 200.0,
              128, 512, 0.25, 1.0, 2048, (32, 64, 128, 256, 512, 1024, 1536), 3, rounds=2,
              rate_multiples=(1.15, 1.3, 1.5))
 QUICK = Scale(3, 4, 9600, 0.05, (0.8,), 20000.0, 2000.0, 64, 128, 0.1, 0.2, 1024, (32, 128), 1, quick_profile=True)
@@ -454,13 +455,11 @@ def _request(server: RunningServer, model: str, prompt: list[int]) -> tuple[floa
 # ---------------------------------------------------------------- the split
 
 
-def plan_split(scale: Scale, subset: Path, out_dir: Path, commands: list[str]) -> dict:
-    """Profile this host and ask ``epdserve plan`` for the best configuration of one instance per
-    core, all on this host, on the subset at the experiment's SLO (90 % of requests within it,
-    the knee's share), routed as the baseline routes; its verdict's topology is where every arm
-    runs. The plan is told the pools the arms serve with (``num_kv_blocks`` per worker,
-    ``decode_num_kv_blocks`` per decode worker: the profile's own are the default pools)."""
-    measured, profile_path, plan_path = out_dir / "profile.json", out_dir / "profile_served_pools.json", out_dir / "plan.json"
+def profile_host(scale: Scale, out_dir: Path, commands: list[str]) -> Path:
+    """Profile this host (``epdserve profile``, every role at one thread) and write a copy of the
+    profile with the pools the arms serve with (``num_kv_blocks`` per worker,
+    ``decode_num_kv_blocks`` per decode worker: the profile's own are the default pools); its path."""
+    measured, profile_path = out_dir / "profile.json", out_dir / "profile_served_pools.json"
     quick = ["--quick"] if scale.quick_profile else []
     run_command(epdserve_cmd("profile", "--roles", "colocated,prefill,decode", "--threads", "colocated=1",
                              "--max-model-len", str(scale.max_model_len), "--out", str(measured),
@@ -469,6 +468,29 @@ def plan_split(scale: Scale, subset: Path, out_dir: Path, commands: list[str]) -
     for role, spec in profile["roles"].items():
         spec["num_kv_blocks"] = scale.decode_num_kv_blocks if role == "decode" else scale.num_kv_blocks
     profile_path.write_text(json.dumps(profile, indent=1), encoding="utf-8")
+    return profile_path
+
+
+def slo_for_host(scale: Scale, records: list[TraceRecord], profile_path: Path) -> Scale:
+    """``scale`` with its TTFT SLO sized to this host where it has none: ``host_slo``'s rule on the
+    profile's colocated worker (one thread) and the subset's 90th-percentile prompt, uncached. On
+    a host with AMX that is about the fixed 1 s the earlier runs used; a host without a fast bf16
+    matmul prefills about five times slower, and there a fixed 1 s is missed by the longer
+    prompts' own prefill at any load, so goodput would count prompt lengths, not the cache.
+    The TPOT SLO stays as set: decode steps cost about the same on both kinds of host."""
+    if scale.slo_ttft_ms is not None:
+        return scale
+    lengths = [max(1, round(r.input_length * scale.length_scale)) for r in records]
+    step = CostModel.load(profile_path).role("colocated").step
+    return replace(scale, slo_ttft_ms=host_slo.ttft_slo_ms(step, int(np.percentile(lengths, 90))))
+
+
+def plan_split(scale: Scale, subset: Path, profile_path: Path, out_dir: Path, commands: list[str]) -> dict:
+    """Ask ``epdserve plan`` for the best configuration of one instance per core, all on this
+    host, on the subset at the experiment's SLO (90 % of requests within it, the knee's share),
+    routed as the baseline routes, on ``profile_path`` (``profile_host``); its verdict's topology
+    is where every arm runs."""
+    plan_path = out_dir / "plan.json"
     instances = len(available_cores())
     max_model_len = min(scale.max_model_len, (scale.num_kv_blocks - 1) * BLOCK_SIZE)  # what the pool holds
     slo = f"ttft_p90:{scale.slo_ttft_ms:g},tpot_p90:{scale.slo_tpot_ms:g}"
@@ -508,7 +530,11 @@ def run(out_dir: Path, quick: bool) -> str:
     write_subset(records, subset)
     stats = subset_stats(records, scale)
     commands: list[str] = []
-    split = plan_split(scale, subset, out_dir, commands)
+    profile_path = profile_host(scale, out_dir, commands)
+    slo_sized = scale.slo_ttft_ms is None
+    scale = slo_for_host(scale, records, profile_path)
+    print(f"SLO: TTFT <= {scale.slo_ttft_ms:g} ms, TPOT <= {scale.slo_tpot_ms:g} ms", flush=True)
+    split = plan_split(scale, subset, profile_path, out_dir, commands)
     topology = split["topology"]
     print(f"plan: {topology} ({split['reason']}); predicted max rate {split['predicted_max_rate']}", flush=True)
     wants_quota = topology in MACHINES
@@ -532,7 +558,7 @@ def run(out_dir: Path, quick: bool) -> str:
         rounds.append({arm: ran[arm] for arm in arms})
     trace_results = {topology: merge_rounds(rounds)}
     crossover = {name: crossover_arm(name, scale, out_dir, commands) for name in CROSSOVER_ARMS}
-    results = {"scale": asdict(scale), "workload": stats, "topology": topology, "plan": split,
+    results = {"scale": asdict(scale), "slo_ttft_sized": slo_sized, "workload": stats, "topology": topology, "plan": split,
                "machines": ({role: asdict(m) for role, m in MACHINES[topology].items()} if use_quota else None),
                "quota_wanted": wants_quota,
                "knee": knee, "trace": trace_results,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
+from epdserve.bench import host_slo
 from epdserve.bench.experiments.report import ExperimentRun, markdown_table, pyplot, save_figure, verdict
 
 NAME = "prefix-cache"
@@ -169,6 +170,8 @@ def build_report(results: dict, run: ExperimentRun, plot_names: list[str]) -> st
     machines = describe_machines(results)
     goal_rows = results["goals"]
     headers, rows = crossover_table(results["crossover"])
+    sized = (f" ({host_slo.TTFT_PREFILLS:g}x the prefill alone of the 90th-percentile prompt on this host's profile)"
+             if results.get("slo_ttft_sized") else "")
     lines = [
         f"# {NAME}",
         "",
@@ -181,7 +184,7 @@ def build_report(results: dict, run: ExperimentRun, plot_names: list[str]) -> st
          f"of any cache's hit rate). Pool: {scale['num_kv_blocks']} blocks of 16 tokens per worker (a few "
          f"conversations), {scale.get('decode_num_kv_blocks', scale['num_kv_blocks'])} per decode worker (the "
          f"running sequences' contexts; a full one queues new requests); tiers: host {scale['host_tier_gib']:g} GiB (shared memory, every worker of the host), disk "
-         f"{scale['disk_tier_gib']:g} GiB. SLO per request: TTFT ≤ {scale['slo_ttft_ms']:g} ms and TPOT ≤ "
+         f"{scale['disk_tier_gib']:g} GiB. SLO per request: TTFT ≤ {scale['slo_ttft_ms']:g} ms{sized} and TPOT ≤ "
          f"{scale['slo_tpot_ms']:g} ms; goodput = requests/s within it. A fresh server per arm and rate."),
         "",
         *run.header_lines(),
