@@ -76,6 +76,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from epdserve.bench import host_slo
 from epdserve.bench.experiments.launch import list_workers, start_server, stop_server
 from epdserve.cluster.local import available_cores
 from epdserve.bench.experiments.report import (
@@ -87,7 +88,6 @@ from epdserve.bench.experiments.report import (
     pyplot,
     save_figure,
 )
-from epdserve.bench import host_slo
 from epdserve.bench.traces import read_any_trace
 from epdserve.envs import get_traces_dir
 from epdserve.planner.calibrate import neighbour_split, read_step_trace, step_parts
@@ -154,12 +154,13 @@ QUICK = Scale(10, 4, 24, 64, 8, 0.25, (0.5, 1.0), (1.0,), 10, 0.05, True, False,
 # SLO from the profile (no --slo-ttft-ms / --slo-tpot-ms), per workload, by the rules of
 # epdserve.bench.host_slo: TTFT within TTFT_PREFILLS times one request's prefill alone (with
 # images: its images' encode plus the prefill of its text and image tokens), TPOT within
-# TPOT_STEPS times a decode step of one sequence, on the colocated role's cost. Runs 1-11 (docs/benchmarks.md) used a fixed 1000 / 80 ms
-# (--slo-ttft-ms 1000 --slo-tpot-ms 80), set for their AVX-512 host; on a slower host a decode
-# step of one sequence alone can take longer than 80 ms, and no rate would meet that SLO. One
-# SLO for text and image requests alike would not do either: one image's encode can take about
-# as long as the text prompt's prefill and its tokens double the prompt, so that a request with
-# an image, alone, can miss a text prompt's TTFT SLO.
+# TPOT_STEPS times a decode step of one sequence, on the colocated role's cost. Runs 1-11
+# (docs/benchmarks.md) used a fixed 1000 / 80 ms (--slo-ttft-ms 1000 --slo-tpot-ms 80), set
+# for their AVX-512 host; on a slower host a decode step of one sequence alone can take longer
+# than 80 ms, and no rate would meet that SLO. One SLO for text and image requests alike would
+# not do either: one image's encode can take about as long as the text prompt's prefill and its
+# tokens double the prompt, so that a request with an image, alone, can miss a text prompt's
+# TTFT SLO.
 
 
 class Slo(NamedTuple):

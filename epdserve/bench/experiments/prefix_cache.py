@@ -32,7 +32,8 @@ The rates: the baseline (least-prefill, no tiers) is replayed first, from the la
 nearest the plan's predicted rate: up the ladder while it keeps 90 % of its requests within the
 SLO (until two rates in a row do not), down it until it does when the first miss; the highest rate
 that kept them is its knee, and every arm runs at multiples of it (below the knee no arm can reach
-1.5x the baseline's goodput).
+1.5x the baseline's goodput). The TTFT SLO is sized to the host from its profile (``slo_for_host``:
+a host without a fast bf16 matmul prefills about five times slower than one with AMX).
 Every arm at every rate runs ``rounds`` times (two at full scale; this host's speed moves
 within minutes, and one run near the knee can differ from the next by a third), the arms'
 order rotated each round; the tables hold the rounds' means and the goals each round's own
