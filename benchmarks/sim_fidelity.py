@@ -76,7 +76,6 @@ from typing import NamedTuple
 
 import numpy as np
 
-from epdserve.bench import host_slo
 from epdserve.bench.experiments.launch import list_workers, start_server, stop_server
 from epdserve.cluster.local import available_cores
 from epdserve.bench.experiments.report import (
@@ -90,6 +89,7 @@ from epdserve.bench.experiments.report import (
 )
 from epdserve.bench.traces import read_any_trace
 from epdserve.envs import get_traces_dir
+from epdserve.planner import slo as host_slo
 from epdserve.planner.calibrate import neighbour_split, read_step_trace, step_parts
 from epdserve.sim.cost_model import CostModel
 from epdserve.sim.topology import parse_topology
@@ -152,7 +152,7 @@ class Scale:
 FULL = Scale(160, 16, 150, 256, 96, 0.25, (0.5, 1.0, 1.5), (0.5, 1.0), 160, 0.2, False, True, 3, 20.0)
 QUICK = Scale(10, 4, 24, 64, 8, 0.25, (0.5, 1.0), (1.0,), 10, 0.05, True, False, 2, 0.0)
 # SLO from the profile (no --slo-ttft-ms / --slo-tpot-ms), per workload, by the rules of
-# epdserve.bench.host_slo: TTFT within TTFT_PREFILLS times one request's prefill alone (with
+# epdserve.planner.slo (`epdserve plan --slo ttft_pP:auto`): TTFT within TTFT_PREFILLS times one request's prefill alone (with
 # images: its images' encode plus the prefill of its text and image tokens), TPOT within
 # TPOT_STEPS times a decode step of one sequence, on the colocated role's cost. Runs 1-11
 # (docs/benchmarks.md) used a fixed 1000 / 80 ms (--slo-ttft-ms 1000 --slo-tpot-ms 80), set
@@ -270,7 +270,7 @@ def profile_roles(topologies: list[str]) -> str:
 
 
 def slo_from_profile(profile: Path, scale: Scale, workload: Workload) -> Slo:
-    """The SLO in ms (``epdserve.bench.host_slo``'s rules) from the profile's colocated step cost
+    """The SLO in ms (``epdserve.planner.slo``'s rules) from the profile's colocated step cost
     (and encoder cost for a workload with images) on a request of the random workload's mean length."""
     cost = CostModel.load(profile)
     step = cost.role("colocated").step

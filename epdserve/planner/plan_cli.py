@@ -7,13 +7,17 @@ import tempfile
 from pathlib import Path
 
 from epdserve.errors import ConfigError
+from epdserve.planner.slo import TPOT_STEPS, TTFT_PREFILLS
 from epdserve.sim.cli import add_cluster_args, add_workload_args, write_json
 
 
 def add_plan_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = subparsers.add_parser("plan", help="instance ratio and colocated-vs-split verdict for a workload and SLO")
     p.add_argument("--profile", required=True, help="profile.json written by epdserve profile")
-    p.add_argument("--slo", required=True, help="e.g. ttft_p99:2000,tpot_p99:100[,itl_p99:MS,e2el_p99:MS]")
+    p.add_argument("--slo", required=True,
+                   help="e.g. ttft_p99:2000,tpot_p99:100[,itl_p99:MS,e2el_p99:MS]; a ttft or tpot threshold 'auto' "
+                        f"is sized to the profile's host: {TTFT_PREFILLS:g}x the prefill alone of the workload's prompt at "
+                        f"that percentile, {TPOT_STEPS:g}x a one-sequence decode step")
     p.add_argument("--instances", type=int, default=None, help="instance budget (default 8 for the search)")
     p.add_argument("--prefix-hit-rate", type=float, default=None,
                    help="fraction of prompt tokens served by the prefix cache (default: from the trace's hash ids)")

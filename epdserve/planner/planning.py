@@ -27,7 +27,7 @@ from epdserve.planner.plan import (
     role_work,
 )
 from epdserve.planner.search import enumerate_candidates, search
-from epdserve.planner.slo import SLO, parse_slo
+from epdserve.planner.slo import SLO, parse_slo, tpot_slo_ms, ttft_slo_ms
 from epdserve.sim.cli import sim_config_kwargs
 from epdserve.sim.cost_model import CostModel
 from epdserve.sim.topology import Topology
@@ -51,6 +51,26 @@ def _workload(ns: argparse.Namespace, num_requests: int) -> SimWorkload:
         return trace_workload(ns.workload[1], ns.time_scale, ns.length_scale, None, None, None, False,
                               ns.images_per_request, tiles)
     raise ConfigError("--workload must be 'random' or 'trace FILE'")
+
+
+def auto_slo_ms(cost: CostModel, workload: SimWorkload, metric: str, percentile: float) -> float:
+    """An ``auto`` threshold of ``--slo``, sized to this profile's host for the workload's
+    ``percentile``-th prompt (image tokens and encode included): TTFT ``slo.ttft_slo_ms`` on the
+    colocated role's cost (else the prefill role's); TPOT ``slo.tpot_slo_ms`` at that prompt plus
+    half the mean output, on the colocated role's cost (else the decode role's)."""
+    if not len(workload):
+        raise ConfigError("an 'auto' SLO needs a workload with requests")
+    tiles = workload.num_images * workload.tiles_per_image
+    prompt = int(np.percentile(workload.input_lens, percentile)) + (cost.encoder().tokens_per_tile * tiles if tiles else 0)
+    fallback = "prefill" if metric == "ttft" else "decode"
+    role = "colocated" if "colocated" in cost.roles else fallback
+    if role not in cost.roles:
+        raise ConfigError(f"an 'auto' {metric} SLO needs the profile's colocated or {fallback} role")
+    step = cost.role(role).step
+    if metric == "ttft":
+        encode_s = workload.num_images * cost.encoder().time_s(workload.tiles_per_image) if tiles else 0.0
+        return ttft_slo_ms(step, prompt, encode_s)
+    return tpot_slo_ms(step, prompt + int(workload.mean_output_len // 2))
 
 
 def _seqs_choices(text: str | None) -> tuple[int, ...]:
@@ -117,7 +137,6 @@ def _best(results: list[Capacity], split: bool) -> Capacity | None:
 
 def make_plan(ns: argparse.Namespace) -> dict:
     cost = CostModel.load(ns.profile)
-    slo = parse_slo(ns.slo)
     if not 0 < ns.attainment <= 1:
         raise ConfigError(f"--attainment must be in (0, 1], got {ns.attainment}")
     num_instances = ns.instances if ns.instances is not None else DEFAULT_INSTANCES
@@ -128,6 +147,7 @@ def make_plan(ns: argparse.Namespace) -> dict:
     if ns.rate is not None and not ns.rate > 0:
         raise ConfigError(f"--rate must be > 0, got {ns.rate}")
     workload = _workload(ns, ns.search_max_requests * VALIDATION_FACTOR)
+    slo = parse_slo(ns.slo, auto=lambda metric, percentile: auto_slo_ms(cost, workload, metric, percentile))
     mean_output = workload.mean_output_len
     slo_lifetime_s = slo.threshold_s("ttft") + mean_output * slo.threshold_s("tpot")
     spec = ProbeSpec(ns.search_requests, HORIZON_FACTOR * slo_lifetime_s, min(len(workload), ns.search_max_requests))
@@ -172,6 +192,7 @@ def make_plan(ns: argparse.Namespace) -> dict:
     ranked = sorted(found.results, key=lambda c: -c.goodput_per_instance)
     return {
         "slo": slo.spec,
+        "slo_thresholds_ms": {t.key: t.threshold_ms for t in slo.targets},
         "attainment": ns.attainment,
         "instances": num_instances,
         "workload": workload.name,

@@ -1,6 +1,11 @@
 """Service-level objectives: ``ttft_p99:2000,tpot_p99:100[,itl_p99:MS,e2el_p99:MS]``, and how
 a set of simulated requests meets them.
 
+A TTFT or TPOT threshold may be ``auto``: sized to the host from its profile (``ttft_slo_ms``,
+``tpot_slo_ms``). A fixed SLO set on one host means something else on another: a CPU without a
+fast bf16 matmul prefills about five times slower, and a TTFT bound that leaves room for
+queueing on one host is missed there by the prompts' own prefill at any load.
+
 A request attains the SLO when its TTFT, TPOT and E2E latency are each within their
 thresholds (a failed request never does). A run meets the SLO when every named percentile
 is within its threshold (nearest rank, failed requests counted as infinitely slow) and the
@@ -10,14 +15,21 @@ fraction of requests attaining it reaches the target (DistServe uses 90 %).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
+from epdserve.engine.step_shape import StepShape
 from epdserve.errors import ConfigError
+from epdserve.sim.cost_model import StepCost
 
 SLO_METRICS = ("ttft", "tpot", "itl", "e2el")
 REQUIRED_METRICS = ("ttft", "tpot")
+AUTO = "auto"
+AUTO_METRICS = ("ttft", "tpot")
+TTFT_PREFILLS = 4.0  # an auto TTFT: this many times the prompt's prefill alone
+TPOT_STEPS = 5.0  # an auto TPOT: this many times a decode step of one sequence alone
 
 
 @dataclass(frozen=True)
@@ -59,8 +71,9 @@ class SLO:
         return ",".join(f"{t.key}:{t.threshold_ms:g}" for t in self.targets)
 
 
-def parse_slo(text: str) -> SLO:
-    """``metric_pP:MS`` pairs separated by commas; metrics ttft, tpot, itl, e2el."""
+def parse_slo(text: str, auto: Callable[[str, float], float] | None = None) -> SLO:
+    """``metric_pP:MS`` pairs separated by commas; metrics ttft, tpot, itl, e2el. A ttft or tpot
+    threshold ``auto`` is ``auto(metric, percentile)`` ms (``None``: not accepted here)."""
     if not text or not text.strip():
         raise ConfigError("SLO is empty: give e.g. ttft_p99:2000,tpot_p99:100")
     targets = []
@@ -73,15 +86,43 @@ def parse_slo(text: str) -> SLO:
             raise ConfigError(f"SLO metric must be one of {', '.join(SLO_METRICS)}, got {metric!r}")
         try:
             percentile = float(pct)
-            threshold = float(value)
         except ValueError:
             raise ConfigError(f"SLO entry {part.strip()!r}: percentile and milliseconds must be numbers") from None
         if not 0 < percentile <= 100:
             raise ConfigError(f"SLO percentile must be in (0, 100], got {pct!r}")
+        if value.strip() == AUTO:
+            if auto is None or metric not in AUTO_METRICS:
+                where = "here" if auto is None else f"for {metric} (only {' and '.join(AUTO_METRICS)})"
+                raise ConfigError(f"SLO entry {part.strip()!r}: 'auto' is not accepted {where}")
+            threshold = auto(metric, percentile)
+        else:
+            try:
+                threshold = float(value)
+            except ValueError:
+                raise ConfigError(f"SLO entry {part.strip()!r}: percentile and milliseconds must be numbers") from None
         if not math.isfinite(threshold) or threshold <= 0:
             raise ConfigError(f"SLO threshold must be a positive number of ms, got {value!r}")
         targets.append(SLOTarget(metric, percentile, threshold))
     return SLO(tuple(targets))
+
+
+def _ms(seconds: float) -> float:
+    """Milliseconds rounded to 10 ms (at least 10)."""
+    return max(10.0, round(seconds * 100) * 10.0)
+
+
+def ttft_slo_ms(step: StepCost, prompt_tokens: int, extra_s: float = 0.0) -> float:
+    """An SLO sized to the host: ``TTFT_PREFILLS`` times one prompt of ``prompt_tokens``
+    prefilled alone in one step on ``step`` (no cached prefix, nothing batched with it), plus
+    ``extra_s`` per request before its prefill (its images' encode), in ms rounded to 10 ms."""
+    n = prompt_tokens
+    return _ms(TTFT_PREFILLS * (step.time_s(StepShape(n, n * (n + 1) // 2, 0, 0)) + extra_s))
+
+
+def tpot_slo_ms(step: StepCost, context_tokens: int) -> float:
+    """An SLO sized to the host: ``TPOT_STEPS`` times a decode step of one sequence of
+    ``context_tokens`` on ``step``, in ms rounded to 10 ms."""
+    return _ms(TPOT_STEPS * step.time_s(StepShape(0, 0, 1, context_tokens)))
 
 
 @dataclass(frozen=True)

@@ -22,8 +22,9 @@ from epdserve.planner.plan import (
     normalize_ratio,
     role_work,
 )
+from epdserve.planner.planning import VALIDATION_FACTOR
 from epdserve.planner.search import enumerate_candidates, search
-from epdserve.planner.slo import evaluate, parse_slo
+from epdserve.planner.slo import evaluate, parse_slo, tpot_slo_ms, ttft_slo_ms
 from epdserve.sim.cost_model import CostModel, StepCost
 from epdserve.sim.topology import Topology
 from epdserve.sim.workload import random_workload
@@ -95,6 +96,49 @@ def test_prefix_hit_estimate_from_trace_hash_ids():
 def test_bad_slo(text):
     with pytest.raises(ConfigError):
         parse_slo(text)
+
+
+def test_auto_thresholds_are_sized_to_the_host_and_refused_where_they_mean_nothing():
+    asked = []
+
+    def auto(metric, percentile):
+        asked.append((metric, percentile))
+        return 1234.0
+
+    slo = parse_slo("ttft_p90:auto,tpot_p50:auto,e2el_p99:5000", auto=auto)
+    assert asked == [("ttft", 90.0), ("tpot", 50.0)]
+    assert slo.spec == "ttft_p90:1234,tpot_p50:1234,e2el_p99:5000"
+    with pytest.raises(ConfigError, match="not accepted here"):
+        parse_slo("ttft_p90:auto,tpot_p90:50")
+    with pytest.raises(ConfigError, match="only ttft and tpot"):
+        parse_slo("ttft_p90:1,tpot_p90:1,e2el_p99:auto", auto=auto)
+    # the rules: 4x one prompt prefilled alone (plus what comes before it), 5x a one-sequence step
+    step = StepCost(0.010, 1e-3, 0.0, 2e-3, 0.0)
+    assert ttft_slo_ms(step, 100) == 4 * 110.0 and ttft_slo_ms(step, 100, extra_s=0.05) == 4 * 160.0
+    assert tpot_slo_ms(step, 500) == 5 * 12.0
+    slower = StepCost(0.050, 5e-3, 0.0, 2e-3, 0.0)  # a host that prefills five times slower
+    assert ttft_slo_ms(slower, 100) == 5 * ttft_slo_ms(step, 100)
+
+
+def test_plan_sizes_an_auto_ttft_from_the_workloads_percentile_prompt(tmp_path):
+    from epdserve.cli import main
+
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(profile(prefill_per_token=2e-5, decode_per_seq=3e-3)))
+    out = tmp_path / "plan.json"
+    code = main(["plan", "--profile", str(path), "--slo", "ttft_p90:auto,tpot_p90:60", "--workload", "random",
+                 "--random-input-len", "128", "--random-output-len", "32", "--random-range-ratio", "0.5",
+                 "--instances", "2", "--search-requests", "60", "--search-max-requests", "120", "--workers", "1",
+                 "--out", str(out)])
+    assert code == 0
+    plan = json.loads(out.read_text())
+    workload = random_workload(120 * VALIDATION_FACTOR, 1.0, 128, 32, 0.5, seed=0)  # the plan's: its size and seed
+    n = int(np.percentile(workload.input_lens, 90))
+    assert 128 < n <= 192  # the long end of 64..192
+    step = CostModel.from_dict(profile(prefill_per_token=2e-5, decode_per_seq=3e-3)).role("colocated").step
+    expected = ttft_slo_ms(step, n)
+    assert plan["slo_thresholds_ms"] == {"ttft_p90": expected, "tpot_p90": 60.0}
+    assert plan["slo"] == f"ttft_p90:{expected:g},tpot_p90:60"
 
 
 def test_slo_evaluation_counts_failures_as_misses():
@@ -187,6 +231,7 @@ def test_plan_cli_writes_the_keys(tmp_path, capsys):
     (["--slo", "ttft_p99:100"], "tpot"),
     (["--slo", "ttft_p99:100,tpot_p99:10", "--instances", "0"], "instances"),
     (["--slo", "ttft_p99:100,tpot_p99:10", "--attainment", "1.5"], "attainment"),
+    (["--slo", "ttft_p99:auto,tpot_p99:10,itl_p99:auto"], "only ttft and tpot"),
 ])
 def test_plan_cli_bad_input_exits_2(tmp_path, capsys, args, message):
     from epdserve.cli import main

@@ -8,7 +8,6 @@ import json
 import os
 import subprocess
 import sys
-from dataclasses import replace
 
 import pytest
 
@@ -25,7 +24,6 @@ from epdserve.bench.experiments.prefix_cache import (
     arms_for,
     serve_flags,
     summarize_level,
-    slo_for_host,
     topology_flags,
 )
 from epdserve.bench.experiments.prefix_cache_report import (
@@ -39,8 +37,6 @@ from epdserve.bench.experiments.prefix_cache_report import (
     round_lines,
 )
 from epdserve.bench.traces import TraceRecord
-
-from sim_profiles import profile_dict
 
 
 def record(t: float, hashes: tuple[int, ...], n: int = 1024) -> TraceRecord:
@@ -250,19 +246,3 @@ def test_report_says_which_split_the_plan_chose():
     assert "chose **colocated=2**" in text and "prefill=1,decode=1" in text and "2 instances" in text
     assert plan_lines({}) == []
 
-
-def test_ttft_slo_is_sized_to_the_host_from_the_90th_percentile_prompt_unless_set(tmp_path):
-    # synthetic profile: a step is 10 ms + 1 ms a prompt token (no attention term)
-    profile = tmp_path / "profile.json"
-    profile.write_text(json.dumps(profile_dict()))
-    # prompts of 100 .. 1000 trace tokens, x 0.1: 10 .. 100 tokens; the 90th percentile is 91
-    records = [TraceRecord(float(i), 100 * (i + 1), 10, (i,)) for i in range(10)]
-    sized = slo_for_host(FULL, records, profile)
-    assert FULL.slo_ttft_ms is None and sized.slo_ttft_ms == 4 * (10 + 91) // 10 * 10 == 400
-    assert sized.slo_tpot_ms == FULL.slo_tpot_ms
-    slower = tmp_path / "slower.json"  # a host that prefills five times slower gets a five times longer SLO
-    slower.write_text(json.dumps(profile_dict(step={**profile_dict()["roles"]["colocated"]["step"],
-                                                    "base_s": 0.05, "per_prefill_token_s": 5e-3})))
-    assert slo_for_host(FULL, records, slower).slo_ttft_ms == 4 * (50 + 455) // 10 * 10
-    fixed = replace(FULL, slo_ttft_ms=1000.0)
-    assert slo_for_host(fixed, records, slower) is fixed

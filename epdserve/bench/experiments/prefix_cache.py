@@ -32,8 +32,8 @@ The rates: the baseline (least-prefill, no tiers) is replayed first, from the la
 nearest the plan's predicted rate: up the ladder while it keeps 90 % of its requests within the
 SLO (until two rates in a row do not), down it until it does when the first miss; the highest rate
 that kept them is its knee, and every arm runs at multiples of it (below the knee no arm can reach
-1.5x the baseline's goodput). The TTFT SLO is sized to the host from its profile (``slo_for_host``:
-a host without a fast bf16 matmul prefills about five times slower than one with AMX).
+1.5x the baseline's goodput). The TTFT SLO is sized to the host by the plan (``plan_split``: a
+host without a fast bf16 matmul prefills about five times slower than one with AMX).
 Every arm at every rate runs ``rounds`` times (two at full scale; this host's speed moves
 within minutes, and one run near the knee can differ from the next by a third), the arms'
 order rotated each round; the tables hold the rounds' means and the goals each round's own
@@ -61,7 +61,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from epdserve.bench import BenchError, host_slo
+from epdserve.bench import BenchError
 from epdserve.bench.experiments import cpu_quota
 from epdserve.bench.experiments.launch import (
     RunningServer,
@@ -79,7 +79,6 @@ from epdserve.cluster.local import available_cores
 from epdserve.envs import EPDSERVE_TRACES_DIR, get_traces_dir
 from epdserve.errors import ConfigError
 from epdserve.roles import Role, parse_role_counts
-from epdserve.sim.cost_model import CostModel
 
 TRACE_FILE = "mooncake_conversation.jsonl"
 BLOCK_SIZE = 16  # the engine's default --block-size
@@ -136,7 +135,7 @@ class Scale:
     max_input_len: int  # trace tokens, before length_scale
     length_scale: float
     probe_rates: tuple[float, ...]  # req/s, rising: the baseline's knee is looked for on this ladder
-    slo_ttft_ms: float | None  # None: sized to the host from its profile (``slo_for_host``)
+    slo_ttft_ms: float | None  # None: sized to the host by ``epdserve plan`` (``ttft_p90:auto``)
     slo_tpot_ms: float
     num_kv_blocks: int  # per worker
     decode_num_kv_blocks: int  # per decode worker: it holds every running sequence's whole context
@@ -472,29 +471,21 @@ def profile_host(scale: Scale, out_dir: Path, commands: list[str]) -> Path:
     return profile_path
 
 
-def slo_for_host(scale: Scale, records: list[TraceRecord], profile_path: Path) -> Scale:
-    """``scale`` with its TTFT SLO sized to this host where it has none: ``host_slo``'s rule on the
-    profile's colocated worker (one thread) and the subset's 90th-percentile prompt, uncached. On
-    a host with AMX that is about the fixed 1 s the earlier runs used; a host without a fast bf16
-    matmul prefills about five times slower, and there a fixed 1 s is missed by the longer
-    prompts' own prefill at any load, so goodput would count prompt lengths, not the cache.
-    The TPOT SLO stays as set: decode steps cost about the same on both kinds of host."""
-    if scale.slo_ttft_ms is not None:
-        return scale
-    lengths = [max(1, round(r.input_length * scale.length_scale)) for r in records]
-    step = CostModel.load(profile_path).role("colocated").step
-    return replace(scale, slo_ttft_ms=host_slo.ttft_slo_ms(step, int(np.percentile(lengths, 90))))
-
-
 def plan_split(scale: Scale, subset: Path, profile_path: Path, out_dir: Path, commands: list[str]) -> dict:
     """Ask ``epdserve plan`` for the best configuration of one instance per core, all on this
     host, on the subset at the experiment's SLO (90 % of requests within it, the knee's share),
     routed as the baseline routes, on ``profile_path`` (``profile_host``); its verdict's topology
-    is where every arm runs."""
+    is where every arm runs. Without a TTFT SLO of its own (``scale.slo_ttft_ms`` None) the plan
+    sizes it to the host (``ttft_p90:auto``: 4x the prefill alone of the subset's 90th-percentile
+    prompt on the profile; about the fixed 1 s of earlier runs on a host with AMX, where a host
+    without a fast bf16 matmul prefills about five times slower and a fixed 1 s would be missed by
+    the longer prompts' own prefill at any load); ``slo_ttft_ms`` in the result is the one used.
+    The TPOT SLO stays as set: decode steps cost about the same on both kinds of host."""
     plan_path = out_dir / "plan.json"
     instances = len(available_cores())
     max_model_len = min(scale.max_model_len, (scale.num_kv_blocks - 1) * BLOCK_SIZE)  # what the pool holds
-    slo = f"ttft_p90:{scale.slo_ttft_ms:g},tpot_p90:{scale.slo_tpot_ms:g}"
+    ttft = "auto" if scale.slo_ttft_ms is None else f"{scale.slo_ttft_ms:g}"
+    slo = f"ttft_p90:{ttft},tpot_p90:{scale.slo_tpot_ms:g}"
     run_command(epdserve_cmd("plan", "--profile", str(profile_path), "--slo", slo,
                              "--attainment", f"{scale.knee_share:g}", "--instances", str(instances),
                              "--instances-per-host", str(instances),
@@ -511,7 +502,8 @@ def plan_split(scale: Scale, subset: Path, profile_path: Path, out_dir: Path, co
     chosen = [c for c in result.get("candidates", []) if c.get("topology") == topology]
     predicted = max((c.get("max_rate", 0.0) for c in chosen), default=0.0) or result.get("max_rate") or None
     return {"topology": topology, "choice": verdict["choice"], "reason": verdict["reason"],
-            "predicted_max_rate": predicted, "slo": slo, "instances": result["instances"],
+            "predicted_max_rate": predicted, "slo": result["slo"],
+            "slo_ttft_ms": result["slo_thresholds_ms"]["ttft_p90"], "instances": result["instances"],
             "candidates": [{k: c.get(k) for k in ("topology", "max_rate", "goodput", "goodput_per_instance")}
                            for c in result.get("candidates", [])]}
 
@@ -533,9 +525,9 @@ def run(out_dir: Path, quick: bool) -> str:
     commands: list[str] = []
     profile_path = profile_host(scale, out_dir, commands)
     slo_sized = scale.slo_ttft_ms is None
-    scale = slo_for_host(scale, records, profile_path)
-    print(f"SLO: TTFT <= {scale.slo_ttft_ms:g} ms, TPOT <= {scale.slo_tpot_ms:g} ms", flush=True)
     split = plan_split(scale, subset, profile_path, out_dir, commands)
+    scale = replace(scale, slo_ttft_ms=split["slo_ttft_ms"])
+    print(f"SLO: TTFT <= {scale.slo_ttft_ms:g} ms, TPOT <= {scale.slo_tpot_ms:g} ms", flush=True)
     topology = split["topology"]
     print(f"plan: {topology} ({split['reason']}); predicted max rate {split['predicted_max_rate']}", flush=True)
     wants_quota = topology in MACHINES

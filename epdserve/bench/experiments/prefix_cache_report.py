@@ -6,7 +6,6 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
-from epdserve.bench import host_slo
 from epdserve.bench.experiments.report import ExperimentRun, markdown_table, pyplot, save_figure, verdict
 
 NAME = "prefix-cache"
@@ -170,8 +169,8 @@ def build_report(results: dict, run: ExperimentRun, plot_names: list[str]) -> st
     machines = describe_machines(results)
     goal_rows = results["goals"]
     headers, rows = crossover_table(results["crossover"])
-    sized = (f" ({host_slo.TTFT_PREFILLS:g}x the prefill alone of the 90th-percentile prompt on this host's profile)"
-             if results.get("slo_ttft_sized") else "")
+    sized = (" (sized to this host by `epdserve plan --slo ttft_p90:auto`: 4x the prefill alone of the "
+             "90th-percentile prompt on its profile)" if results.get("slo_ttft_sized") else "")
     lines = [
         f"# {NAME}",
         "",
