@@ -476,8 +476,8 @@ def plan_split(scale: Scale, subset: Path, profile_path: Path, out_dir: Path, co
     host, on the subset at the experiment's SLO (90 % of requests within it, the knee's share),
     routed as the baseline routes, on ``profile_path`` (``profile_host``); its verdict's topology
     is where every arm runs. Without a TTFT SLO of its own (``scale.slo_ttft_ms`` None) the plan
-    sizes it to the host (``ttft_p90:auto``: 4x the prefill alone of the subset's 90th-percentile
-    prompt on the profile; about the fixed 1 s of earlier runs on a host with AMX, where a host
+    sizes it to the host (``ttft_p90:auto``: a multiple of the prefill alone of the subset's
+    90th-percentile prompt on the profile; about the fixed 1 s of earlier runs on a host with AMX, where a host
     without a fast bf16 matmul prefills about five times slower and a fixed 1 s would be missed by
     the longer prompts' own prefill at any load); ``slo_ttft_ms`` in the result is the one used.
     The TPOT SLO stays as set: decode steps cost about the same on both kinds of host."""

@@ -169,8 +169,8 @@ def build_report(results: dict, run: ExperimentRun, plot_names: list[str]) -> st
     machines = describe_machines(results)
     goal_rows = results["goals"]
     headers, rows = crossover_table(results["crossover"])
-    sized = (" (sized to this host by `epdserve plan --slo ttft_p90:auto`: 4x the prefill alone of the "
-             "90th-percentile prompt on its profile)" if results.get("slo_ttft_sized") else "")
+    sized = (" (sized to this host by `epdserve plan --slo ttft_p90:auto` from the 90th-percentile prompt's "
+             "prefill alone on its profile)" if results.get("slo_ttft_sized") else "")
     lines = [
         f"# {NAME}",
         "",
