@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 from epdserve.bench.experiments.launch import list_workers, start_server, stop_server
+from epdserve.bench.experiments.report import process_ticks
 from epdserve.planner.calibrate import read_step_trace
 
 LAYOUTS = {
@@ -38,8 +39,7 @@ TICKS = os.sysconf("SC_CLK_TCK")
 
 def proc_times(pid: int) -> tuple[float, int, int]:
     """CPU seconds (user + system, every thread), voluntary and involuntary context switches."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    cpu = (int(fields[11]) + int(fields[12])) / TICKS  # utime, stime (fields 14, 15)
+    cpu = process_ticks([pid]) / TICKS
     voluntary = involuntary = 0
     for task in Path(f"/proc/{pid}/task").iterdir():  # the status file counts one thread only
         for line in (task / "status").read_text().splitlines():
@@ -103,12 +103,12 @@ def main() -> None:
             continue
         trace = read_step_trace(path)
         scored = trace.starts >= start
-        wall, cpu = float(trace.walls[scored].sum()), float(trace.cpus[scored].sum())
+        step_wall, cpu = float(trace.walls[scored].sum()), float(trace.cpus[scored].sum())
         total = rows[worker_id][0]
-        summary["workers"][worker_id] = {"steps": int(scored.sum()), "step_wall_s": wall, "step_cpu_s": cpu,
+        summary["workers"][worker_id] = {"steps": int(scored.sum()), "step_wall_s": step_wall, "step_cpu_s": cpu,
                                          "cpu_s": total}
-        print(f"{worker_id}: {int(scored.sum())} steps, {wall:.1f} s in steps, CPU in them {cpu:.1f} s "
-              f"({cpu / max(wall, 1e-9):.0%} of their wall on {trace.num_threads} thread(s)); "
+        print(f"{worker_id}: {int(scored.sum())} steps, {step_wall:.1f} s in steps, CPU in them {cpu:.1f} s "
+              f"({cpu / max(step_wall, 1e-9):.0%} of their wall on {trace.num_threads} thread(s)); "
               f"CPU outside steps {total - cpu:.1f} s")
     (ns.out / f"summary_{ns.layout}.json").write_text(json.dumps(summary, indent=1))
 

@@ -245,4 +245,3 @@ def test_report_says_which_split_the_plan_chose():
     text = "\n".join(plan_lines({"plan": split}))
     assert "chose **colocated=2**" in text and "prefill=1,decode=1" in text and "2 instances" in text
     assert plan_lines({}) == []
-
