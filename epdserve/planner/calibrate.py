@@ -15,10 +15,11 @@ simulator adds by the share of an instance's neighbours that are mid-step, and a
 ``calibration`` record of the factors and what they were measured on.
 
 Workers pinned to the same core time-share it (serve wraps around when a host has fewer cores
-than workers, e.g. an encoder beside a decode worker on two cores): a step during which k others
-on its cores were mid-step is divided by 1 + k (by their busy share) before the fit, and only the
-workers on other cores count as neighbours; ``simulate --cores-per-host`` puts the time-sharing
-back. Traces name their worker's cores in the header (older ones do not: no sharing is seen).
+than workers, e.g. an encoder beside a decode worker on two cores). The kernel shares a core
+fairly, so a step's time on a core of its own is the integral over the step of 1 / (1 + the number
+of others mid-step on its cores) (``alone_time``); the fit is on that, only the workers on other
+cores count as neighbours, and ``simulate --cores-per-host`` shares the cores again by the same
+rule (``sim/instance.py`` ``Pace``). Traces name their worker's cores in the header (older ones do not: no sharing is seen).
 
 The factors belong to the packing they were measured on (which roles shared the host, at what
 load); calibrate on the deployment the simulation is about.
@@ -131,16 +132,38 @@ def busy_overlap(trace: WorkerTrace, others: list[WorkerTrace]) -> np.ndarray:
     return np.clip(total / len(others), 0.0, 1.0)
 
 
+def alone_time(trace: WorkerTrace, sharers: list[WorkerTrace]) -> np.ndarray:
+    """Per step of ``trace``: its time on a core of its own, the integral over the step of
+    1 / (1 + n(t)), n(t) the number of ``sharers`` mid-step at t (a fairly shared core)."""
+    if not sharers:
+        return trace.walls.copy()
+    starts = np.concatenate([o.starts for o in sharers])
+    times = np.concatenate([starts, starts + np.concatenate([o.walls for o in sharers])])
+    order = np.argsort(times, kind="stable")
+    times = times[order]
+    count = np.cumsum(np.concatenate([np.ones(len(starts)), -np.ones(len(starts))])[order])  # after each breakpoint
+    share = 1.0 / (1.0 + np.maximum(count, 0.0))
+    cum = np.concatenate([[0.0], np.cumsum(np.diff(times) * share[:-1])])  # the integral from times[0]
+
+    def integral(t: np.ndarray) -> np.ndarray:
+        i = np.searchsorted(times, t, side="right") - 1
+        at = np.maximum(i, 0)
+        return np.where(i < 0, t - times[0], cum[at] + (t - times[at]) * share[at])
+
+    return integral(trace.starts + trace.walls) - integral(trace.starts)
+
+
 def neighbour_split(trace: WorkerTrace, traces: list[WorkerTrace]) -> tuple[np.ndarray, np.ndarray]:
-    """Per step of ``trace``: how many workers ran on its cores on average (1 + the summed busy
-    shares of the others on one of its cores: time-sharing stretches the step by that), and the
-    busy share of the host's other workers (``busy_overlap``: the neighbour term's weight)."""
+    """Per step of ``trace``: how much time-sharing its cores stretched it (its wall over
+    ``alone_time``: 1 alone, 2 with one other mid-step throughout), and the busy share of the
+    host's other workers (``busy_overlap``: the neighbour term's weight)."""
     sharers: list[WorkerTrace] = []
     neighbours: list[WorkerTrace] = []
     for other in traces:
         if other is not trace:
             (sharers if trace.shares_cores_with(other) else neighbours).append(other)
-    return 1.0 + busy_overlap(trace, sharers) * len(sharers), busy_overlap(trace, neighbours)
+    stretch = trace.walls / np.maximum(alone_time(trace, sharers), 1e-12)
+    return np.maximum(stretch, 1.0), busy_overlap(trace, neighbours)
 
 
 def step_parts(step: StepCost, shapes: list[StepShape]) -> np.ndarray:

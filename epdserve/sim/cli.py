@@ -83,8 +83,8 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
                         "applies among them")
     c.add_argument("--cores-per-host", type=int, default=0,
                    help="each host's cores, taken by its instances as serve pins workers (--cores-per-worker each, "
-                        "consecutive, wrapping); an instance's step while k others on one of its cores are mid-step "
-                        "takes (1 + k)x (default 0: no instance shares a core)")
+                        "consecutive, wrapping); a step gets 1/(1 + k) of its core while k others on one of its cores "
+                        "are mid-step (default 0: no instance shares a core)")
     c.add_argument("--cores-per-worker", type=int, default=1, help="with --cores-per-host: cores per instance")
 
 

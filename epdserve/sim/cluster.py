@@ -34,20 +34,14 @@ from epdserve.sampling import SamplingParams
 from epdserve.service import DEFAULT_KEY, SERVICE_CLASSES, schedule_key
 from epdserve.sim import fastforward
 from epdserve.sim.config import SimConfig
-from epdserve.sim.instance import EncodeInstance, StepInstance
-from epdserve.sim.loop import ARRIVAL, EMBED_DONE, ENCODE_END, HANDED_OVER, RESERVED, TRANSFER_DONE, SimLoop
+from epdserve.sim.instance import EncodeInstance, StepInstance, progress_rate
+from epdserve.sim.loop import ARRIVAL, EMBED_DONE, HANDED_OVER, RESERVED, TRANSFER_DONE, SimLoop
 from epdserve.sim.results import Flight
 from epdserve.validate import InvalidFieldError, check_prompt_length
 
 __all__ = ["ClusterSim", "SimConfig"]
 
 DUMMY_TOKEN_ID = 0
-
-
-def time_shared(inst: StepInstance | EncodeInstance) -> int:
-    """How much longer a step (or encoder batch) starting now takes on a core time-shared with
-    the instances mid-step on it: 1 + their number (judged at its start)."""
-    return 1 + sum(1 for o in inst.sharers if o.is_busy)
 
 
 class ClusterSim(SimLoop):
@@ -279,11 +273,12 @@ class ClusterSim(SimLoop):
             step_s += inst.loader.loaded(out.loads)
         if out.pulls:  # copied from the decode instance's pages before the forward pass
             step_s += inst.puller.pulled(out.pulls)
-        if inst.neighbour_step is not None and inst.neighbours:
-            busy = sum(1 for o in inst.neighbours if o.is_busy) / len(inst.neighbours)
-            if busy:
-                step_s += busy * inst.neighbour_step.time_s(shape)
-        step_s *= time_shared(inst)
+        pace = inst.pace
+        pace.work_s, pace.since = step_s, now
+        pace.neighbour_ratio = (inst.neighbour_step.time_s(shape) / max(step_s, 1e-12)
+                                if inst.neighbour_step is not None and inst.neighbours else 0.0)
+        pace.rate = progress_rate(inst)
+        step_s /= pace.rate  # as things stand now; re-timed when a sharer or neighbour begins or ends a step
         if shape.num_prefill_tokens:
             flights = self.flights
             for entry in out.scheduled:
@@ -302,6 +297,8 @@ class ClusterSim(SimLoop):
         inst.num_steps += 1
         inst.busy_s += step_s
         self._push_step_end(inst, now + step_s)
+        if self.is_shared:
+            self._repace(inst)
 
     def _token_times(self, inst: StepInstance) -> dict:
         if not self.detail_ids:
@@ -344,6 +341,8 @@ class ClusterSim(SimLoop):
             return
         now, out = self.now, inst.out
         inst.is_busy, inst.out = False, None
+        if self.is_shared:
+            self._repace(inst)
         sampled = {e.request.request_id: DUMMY_TOKEN_ID for e in out.scheduled if e.will_sample}
         finished = inst.scheduler.update(out, sampled)
         self._publish_kv_events(inst)
@@ -497,13 +496,22 @@ class ClusterSim(SimLoop):
             return
         num = min(len(enc.queue), enc.max_batch_images)
         enc.batch = [enc.queue.popleft() for _ in range(num)]
-        step_s = enc.cost.time_s(num * self.workload.tiles_per_image) * time_shared(enc)
+        step_s = enc.cost.time_s(num * self.workload.tiles_per_image)
+        pace = enc.pace
+        pace.work_s, pace.since = step_s, self.now
+        pace.rate = progress_rate(enc)
+        step_s /= pace.rate
         enc.is_busy = True
         enc.num_steps += 1
         enc.busy_s += step_s
-        self._push(self.now + step_s, ENCODE_END, enc)
+        self._push_encode_end(enc, self.now + step_s)
+        if self.is_shared:
+            self._repace(enc)
 
     def _on_encode_end(self, enc: EncodeInstance) -> None:
+        enc.is_busy = False
+        if self.is_shared:
+            self._repace(enc)
         embed_bytes = self.num_image_tokens // self.workload.num_images * self.cost.embed_bytes_per_token
         for flight, k in enc.batch:
             self._push(enc.link.send(self.now, embed_bytes), EMBED_DONE, (flight, k))
@@ -512,7 +520,6 @@ class ClusterSim(SimLoop):
                 del flight.encoders[enc]
                 enc.worker.drop(flight.request_id)
         enc.batch = []
-        enc.is_busy = False
         self._kick_encoder(enc)
 
     def _on_embed_done(self, flight: Flight, k: int) -> None:

@@ -38,7 +38,7 @@ class SimConfig:
     instances_per_host: int = 1
     # Each host's cores (0: no instance shares one). Instances take them as serve pins its
     # workers (consecutive, wrapping: cluster/local.py core_sets, ``cores_per_worker`` each); a step
-    # of an instance while k others on one of its cores are mid-step takes (1 + k) times as long.
+    # gets 1 / (1 + k) of its core while k others on one of its cores are mid-step (instance.Pace).
     cores_per_host: int = 0
     cores_per_worker: int = 1
     routing: str = DEFAULT_ROUTING  # the router's policy (WorkerRegistry.pick, which checks it)

@@ -76,6 +76,26 @@ class Link:
         return ends
 
 
+class Pace:
+    """How a step (or an encoder batch) in flight progresses on a shared host.
+
+    ``work_s`` is its time with its cores to itself and no neighbour mid-step; it progresses at
+    ``rate`` = 1 / (k x (1 + neighbour_ratio x b)) seconds of work per second, where k is 1 + the
+    number of instances mid-step on one of its cores (the kernel shares a core fairly among the
+    processes running on it) and b the share of the host's other instances (on other cores) that
+    are mid-step (``neighbour_ratio``: the calibrated neighbour step over the step alone). The
+    rate changes whenever one of them begins or ends a step; the step's end is re-timed then.
+    """
+
+    __slots__ = ("neighbour_ratio", "rate", "since", "work_s")
+
+    def __init__(self) -> None:
+        self.work_s = 0.0  # work left at ``since``
+        self.since = 0.0
+        self.rate = 1.0
+        self.neighbour_ratio = 0.0
+
+
 class StepInstance:
     """A colocated, prefill or decode instance: the real scheduler with modelled step times."""
 
@@ -128,10 +148,11 @@ class StepInstance:
         self.handover_pending = False  # draining: hand its requests over when the step in flight ends
         self.out: SchedulerOutput | None = None  # the step in flight
         self.stretch = None  # fastforward.Stretch in flight instead of one step
-        self.epoch = 0  # bumped when a stretch is cut short: its pending end event is stale
+        self.epoch = 0  # bumped when a stretch is cut short or a step re-timed: its pending end event is stale
         self.index = 0  # position in the cluster: orders step ends that fall at one instant
         self.num_steps = 0
         self.busy_s = 0.0
+        self.pace = Pace()  # the stepped step in flight: its work left and how fast it goes
 
     def load(self) -> m.Load:
         s = self.scheduler
@@ -156,11 +177,26 @@ class EncodeInstance:
         self.neighbours: list = []  # the other instances on its host, on other cores (set by the cluster)
         self.sharers: list = []  # the instances on one of its cores (set by the cluster)
         self.is_busy = False
+        self.busy_until = 0.0  # when the batch in flight ends
+        self.epoch = 0  # bumped when the batch in flight is re-timed: its pending end event is stale
         self.num_steps = 0
         self.busy_s = 0.0
+        self.pace = Pace()
 
     def load(self) -> m.Load:
         return m.Load(len(self.batch), len(self.queue), 0, 0)
+
+
+def progress_rate(inst: StepInstance | EncodeInstance) -> float:
+    """Seconds of work per second for ``inst``'s step in flight, given who is mid-step now
+    (``Pace``): its core time-shared with the instances mid-step on it, and slowed by
+    the busy share of its neighbours on other cores by the step's neighbour ratio."""
+    k = 1 + sum(1 for o in inst.sharers if o.is_busy)
+    ratio = inst.pace.neighbour_ratio
+    if ratio and inst.neighbours:
+        busy = sum(1 for o in inst.neighbours if o.is_busy) / len(inst.neighbours)
+        return 1.0 / (k * (1.0 + ratio * busy))
+    return 1.0 / k
 
 
 def role_summary(instances: list[StepInstance | EncodeInstance], end_s: float) -> dict[str, dict]:

@@ -31,7 +31,7 @@ from epdserve.service import SERVICE_CLASSES, draw_classes
 from epdserve.sim import fastforward
 from epdserve.sim.config import SimConfig, SimStats
 from epdserve.sim.cost_model import CostModel
-from epdserve.sim.instance import EncodeInstance, Link, StepInstance, role_summary
+from epdserve.sim.instance import EncodeInstance, Link, StepInstance, progress_rate, role_summary
 from epdserve.sim.kv_tiers import SimStore
 from epdserve.sim.peer_pull import SimPeerPuller
 from epdserve.sim.results import Flight, MissWatch, Recorder
@@ -81,8 +81,9 @@ class SimLoop:
                       if config.role_control is not None and topo.is_split else None)
         # A step's time then depends on the other instances' state, which a fast-forwarded
         # stretch cannot see: step every step.
-        self.is_fast_forward = config.is_fast_forward and not any(
-            (inst.neighbour_step is not None and inst.neighbours) or inst.sharers for inst in self.instances)
+        self.is_shared = any((inst.neighbour_step is not None and inst.neighbours) or inst.sharers
+                             for inst in self.instances)
+        self.is_fast_forward = config.is_fast_forward and not self.is_shared
         self.recorder = Recorder(len(workload), config.max_detail_requests, watch)
         self.watch = watch
         self.is_aborted = False
@@ -234,6 +235,32 @@ class SimLoop:
         inst.busy_until = when
         self._push(when, STEP_END, (inst, inst.epoch), inst.index)
 
+    def _push_encode_end(self, enc: EncodeInstance, when: float) -> None:
+        enc.busy_until = when
+        self._push(when, ENCODE_END, (enc, enc.epoch))
+
+    def _repace(self, changed: StepInstance | EncodeInstance) -> None:
+        """``changed`` began or ended a step: the steps in flight on its host whose pace that
+        changes (its sharers', and its neighbours' with a neighbour term) end at a new time.
+        Work done so far counts at the old rate (``instance.Pace``)."""
+        now = self.now
+        for other in (*changed.sharers, *changed.neighbours):
+            if not other.is_busy or getattr(other, "stretch", None) is not None:
+                continue
+            pace = other.pace
+            rate = progress_rate(other)
+            if rate == pace.rate:
+                continue
+            pace.work_s = max(pace.work_s - (now - pace.since) * pace.rate, 0.0)
+            pace.since, pace.rate = now, rate
+            end = now + pace.work_s / rate
+            other.busy_s += end - other.busy_until
+            other.epoch += 1
+            if isinstance(other, EncodeInstance):
+                self._push_encode_end(other, end)
+            else:
+                self._push_step_end(other, end)
+
     def run(self) -> Recorder:
         started = perf_counter()
         self._push(float(self.workload.arrival_s[0]), ARRIVAL, 0)
@@ -259,7 +286,9 @@ class SimLoop:
             elif kind == TRANSFER_DONE:
                 self._on_transfer_done(payload)
             elif kind == ENCODE_END:
-                self._on_encode_end(payload)
+                enc, epoch = payload
+                if epoch == enc.epoch:
+                    self._on_encode_end(enc)
             elif kind == EMBED_DONE:
                 self._on_embed_done(*payload)
             elif kind == RESERVED:

@@ -166,6 +166,29 @@ def test_encoder_batches_count_as_a_busy_neighbour(tmp_path):
     assert role.step.time_s(shape) + role.neighbour_step.time_s(shape) == pytest.approx(2.0 * pred, rel=1e-2)
 
 
+def test_time_sharing_taken_out_as_a_fairly_shared_core(tmp_path):
+    """An encoder on the decode worker's core runs a batch as long as a decode step alone at the
+    start of every step: the step gets half the core for that long and then all of it, so its
+    wall is 1.5x its time alone. The time alone is the integral of 1 / (1 + sharers mid-step)
+    over the step; dividing the wall by 1 + the encoder's busy share (2/3) would find 0.9x."""
+    cost = CostModel.from_dict(profile_dict())
+    shape = StepShape(0, 0, 4, 1200)
+    pred = cost.role("decode").step.time_s(shape)
+    write_trace(tmp_path, "decode-0", "decode", [(shape, 1.5 * pred)] * 30)
+    batches = [json.dumps({"t": i * 1.5 * pred, "wall_s": pred, "num_images": 1}) for i in range(30)]
+    for name, lines in (("decode-0", None), ("encode-0", batches)):
+        path = tmp_path / f"{name}.jsonl"
+        if lines is None:
+            lines = path.read_text().splitlines()
+            header, lines = json.loads(lines[0]), lines[1:]
+        else:
+            header = {"worker_id": name, "role": "encode", "num_threads": 1}
+        path.write_text("\n".join([json.dumps({**header, "cores": [0]}), *lines]) + "\n")
+    calibrated, result = calibrate(cost, tmp_path)
+    assert calibrated.role("decode").step.time_s(shape) == pytest.approx(pred, rel=1e-2)
+    assert calibrated.role("decode").neighbour_step is None
+
+
 @pytest.mark.parametrize("files, message", [
     ({}, "no step traces"),
     ({"w.jsonl": "not json\n"}, "not a step trace"),

@@ -62,27 +62,33 @@ def test_colocated_two_requests_share_steps():
 
 
 def test_neighbour_slowdown_on_a_shared_host():
-    # Two colocated instances on one host; a step is 1.5x while the other instance is mid-step
-    # (judged when the step starts). Request 0 reaches instance 0 at 0 (neighbour idle: 0.11 s);
-    # request 1 reaches instance 1 at 0.05 while instance 0 is busy: its prefill takes 1.5x.
+    # Two colocated instances on one host; a step goes at 1 / 1.5 of its pace while the other
+    # instance is mid-step. Request 0 reaches instance 0 at 0 (0.11 s of work, neighbour idle);
+    # request 1 reaches instance 1 at 0.05: from then both go at 1 / 1.5, so instance 0's last
+    # 0.06 s of work end at 0.05 + 0.09 = 0.14, and instance 1, 0.06 s done by then, runs its last
+    # 0.05 s alone: both TTFTs 0.14.
     profile = profile_dict()
     profile["roles"]["colocated"]["neighbour_slowdown"] = 0.5
     workload = fixed_workload([0.0, 0.05], [100, 100], [1, 1])
     _, shared = run(profile, "colocated=2", workload, instances_per_host=2)
-    assert shared.ttft == pytest.approx([0.11, 1.5 * 0.11])
+    assert shared.ttft == pytest.approx([0.14, 0.14])
     _, apart = run(profile, "colocated=2", workload, instances_per_host=1)
     assert apart.ttft == pytest.approx([0.11, 0.11])
     # Stepping every step (no fast-forward) is what makes the neighbour's state visible.
     sim, _ = run(profile, "colocated=2", fixed_workload([0.0], [16], [8]), instances_per_host=2)
     assert not sim.is_fast_forward
     # A calibrated profile's neighbour step: extra seconds per term (here 10 ms base and 0.5 ms
-    # per prefill token: 60 ms more for request 1's 100-token prefill).
+    # per prefill token: 60 ms more for a 100-token prefill next to a busy neighbour throughout,
+    # a pace of 0.11 / 0.17 while the other is mid-step), and the same overlap as above.
     profile = profile_dict()
     profile["roles"]["colocated"]["neighbour_step"] = {
         "base_s": 0.01, "per_prefill_token_s": 5e-4, "per_prefill_attn_pair_s": 0.0, "per_decode_seq_s": 0.0,
         "per_decode_context_token_s": 0.0}
     _, shared = run(profile, "colocated=2", workload, instances_per_host=2)
-    assert shared.ttft == pytest.approx([0.11, 0.11 + 0.06])
+    assert shared.ttft == pytest.approx([0.05 + 0.06 * 0.17 / 0.11] * 2)
+    # The same two requests 1 s apart: neither step meets the other, each takes its 0.11 s.
+    _, alone = run(profile, "colocated=2", fixed_workload([0.0, 1.0], [100, 100], [1, 1]), instances_per_host=2)
+    assert alone.ttft == pytest.approx([0.11, 0.11])
 
 
 def test_pd_first_token_at_prefill_end_and_decode_after_layerwise_transfer():
@@ -182,12 +188,20 @@ def test_pipelined_prefill_starts_before_the_last_image():
 
 def test_instances_on_one_core_time_share_it():
     # Two colocated instances, both requests at 0: on two cores each prefill (0.042 s) runs
-    # alone; on one core the second starts while the first is mid-step and takes twice as long.
+    # alone; on one core they share it fairly from the start, and both end at twice their time.
     w = fixed_workload([0.0, 0.0], [32, 32], [1, 1])
     _, apart = run(profile_dict(), "colocated=2", w, instances_per_host=2, cores_per_host=2)
     assert sorted(apart.ttft) == pytest.approx([0.042, 0.042])
     sim, shared = run(profile_dict(), "colocated=2", w, instances_per_host=2, cores_per_host=1)
-    assert sorted(shared.ttft) == pytest.approx([0.042, 0.084])
+    assert sorted(shared.ttft) == pytest.approx([0.084, 0.084])
+    # The second arrives halfway through the first's prefill: the first's last 0.021 s of work
+    # take 0.042 s (ends 0.063); the second has done 0.021 s by then and runs the rest alone
+    # (ends 0.084). Judged at the step's start instead, the first would end at 0.042 unslowed and
+    # the second at 0.021 + 0.084.
+    late_sim, late = run(profile_dict(), "colocated=2", fixed_workload([0.0, 0.021], [32, 32], [1, 1]),
+                         instances_per_host=2, cores_per_host=1)
+    assert late.ttft == pytest.approx([0.063, 0.063])
+    assert [i.busy_s for i in late_sim.instances] == pytest.approx([0.063, 0.063])  # the re-timed steps' time
     assert all(len(i.sharers) == 1 and not i.neighbours for i in sim.instances) and not sim.is_fast_forward
     # E/P/D on two cores, placed as serve pins workers (one rule: cluster/local.py core_sets): the
     # encoder and the decode worker share core 0.
