@@ -901,14 +901,38 @@ def _pool_ratios(parts: list[dict]) -> dict:
     return {"served_over_predicted": mean, "num_steps": n}
 
 
-def rejudge(out_dir: Path) -> str:
+def recalibrate(results: dict, out_dir: Path, log: list[str]) -> None:
+    """The run's calibrations redone by ``epdserve calibrate`` as it is now, on the same step
+    traces and windows (the first round's, and the whole stretch's), into ``out_dir``; each
+    cell's calibrated profiles are replaced by them."""
+    profile = Path(results["profile"])
+    for topology, state in results["states"].items():
+        if state["first_profile"] is None:
+            continue
+        name = topology.replace("=", "").replace(",", "_")
+        windows = [(float(a), float(b)) for _, a, b in state["calibration_windows"]]
+        first = out_dir / f"rejudged_profile_calibrated_{name}.json"
+        run_calibrate(profile, Path(state["trace_dirs"][0]),
+                      [(float(a), float(b)) for k, a, b in state["calibration_windows"] if k == 0], first, log)
+        merged = TopologyState(trace_dirs=[Path(d) for d in state["trace_dirs"]])
+        stretch = out_dir / f"rejudged_profile_calibrated_{name}_stretch.json"
+        run_calibrate(profile, merged_trace_dir(merged, out_dir / f"rejudged_steps_{name}_all"), windows, stretch, log)
+        for cell in results["cells"]:
+            if cell["topology"] == topology:
+                cell["profiles"].update(sim=str(first), sim_stretch=str(stretch))
+
+
+def rejudge(out_dir: Path, redo_calibration: bool = False) -> str:
     """The real runs stored in ``out_dir`` (a finished run's results.json, its bench results and
     replay traces) replayed again in the simulator as it is now, on the profiles that run judged
-    on (no calibration redone, the step-time attribution kept): a change to the simulator judged
+    on (``redo_calibration``: on calibrations redone as ``epdserve calibrate`` is now, from the
+    same traces; the step-time attribution kept either way): a change to the simulator judged
     without new real runs. Writes results_rejudged.json and report_rejudged.md; returns the report."""
     results = json.loads((out_dir / "results.json").read_text(encoding="utf-8"))
     scale = Scale(**{k: tuple(v) if isinstance(v, list) else v for k, v in results["scale"].items()})
     log: list[str] = []
+    if redo_calibration:
+        recalibrate(results, out_dir, log)
     cells = results["cells"]
     for cell in cells:
         topology = cell["topology"]
@@ -929,6 +953,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rejudge", type=Path, default=None, metavar="DIR",
                         help="replay a finished run's stored real runs (DIR/results.json) in the simulator as it is "
                              "now, on the profiles it judged on; no server is started")
+    parser.add_argument("--recalibrate", action="store_true",
+                        help="with --rejudge: redo the run's calibrations from its step traces first")
     parser.add_argument("--profile", type=Path, default=None, help="profile.json (default: measure one first)")
     parser.add_argument("--out", type=Path, default=Path("out/sim_fidelity"))
     parser.add_argument("--topology", "--only", dest="topologies", action="append", choices=list(TOPOLOGIES),
@@ -952,8 +978,10 @@ def main(argv: list[str] | None = None) -> int:
     if ns.rejudge is not None:
         if not (ns.rejudge / "results.json").is_file():
             parser.error(f"--rejudge: no results.json in {ns.rejudge}")
-        print(rejudge(ns.rejudge))
+        print(rejudge(ns.rejudge, ns.recalibrate))
         return 0
+    if ns.recalibrate:
+        parser.error("--recalibrate goes with --rejudge")
     scale = QUICK if ns.quick else FULL
     if ns.rounds is not None:
         if ns.rounds < 1:

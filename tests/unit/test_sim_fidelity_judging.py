@@ -77,3 +77,22 @@ def test_rejudge_replays_the_stored_runs_in_the_simulator_as_it_is_now(tmp_path)
     assert (tmp_path / "rejudged_c_r1.json").is_file() and "--rejudge" in report
     assert (tmp_path / "report_rejudged.md").read_text() == report
     assert json.loads((tmp_path / "results.json").read_text())["cells"][0]["sim"] == {}  # the run's own left alone
+    # --recalibrate: the run's calibration redone from its step traces (the first round's
+    # windows) by calibrate as it is now; here every traced step took 1.5x the profile's time.
+    from epdserve.engine.step_shape import StepShape
+    from epdserve.sim.cost_model import CostModel
+
+    shape = StepShape(32, 32 * 33 // 2, 0, 0)
+    wall = 1.5 * CostModel.from_dict(profile_dict()).role("colocated").step.time_s(shape)
+    steps = tmp_path / "steps_r1"
+    steps.mkdir()
+    (steps / "colocated-0.jsonl").write_text("\n".join(
+        [json.dumps({"worker_id": "colocated-0", "role": "colocated", "num_threads": 1}),
+         *(json.dumps({"t": 10.0 + i, "wall_s": wall, **shape.to_dict()}) for i in range(12))]) + "\n")
+    results["states"] = {"colocated=2": {"trace_dirs": [str(steps)], "calibration_windows": [[0, 0.0, 100.0]],
+                                         "first_profile": str(profile), "runs": []}}
+    (tmp_path / "results.json").write_text(json.dumps(results))
+    sim_fidelity.rejudge(tmp_path, redo_calibration=True)
+    out = json.loads((tmp_path / "results_rejudged.json").read_text())
+    assert out["cells"][0]["profiles"]["sim"] == str(tmp_path / "rejudged_profile_calibrated_colocated2.json")
+    assert out["cells"][0]["sim"]["ttft_p50_ms"]["sim"] == pytest.approx(1.5 * 42.0, rel=1e-2)
