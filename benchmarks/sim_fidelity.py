@@ -22,9 +22,9 @@ worker share core 0).
    --images-per-request 1 --image-tiles 1``) at 0.5 / 1 / 1.5 x capacity. Capacity is the
    highest rate whose simulated SLO attainment is >= 90 % on that workload.
 3. Rounds (``--rounds``, default 3). In each round every topology gets a fresh ``epdserve
-   serve`` with step tracing (prefill, decode and colocated workers; an encoder traces no
-   steps): an unscored warm-up, unscored calibration runs (two in the first round, at 0.75 x
-   and 1.25 x the offline capacity estimate, then one a round, alternating), then every
+   serve`` with step tracing (prefill, decode and colocated workers their steps, an encoder
+   its batches): an unscored warm-up, unscored calibration runs (three in the first round, at 0.4 x,
+   0.75 x and 1.25 x the offline capacity estimate, then one a round, in turn), then every
    (workload, level) once with the same arrivals and prompts in every round (a fresh server: no
    run finds another's prompts in its prefix cache). Warm-up and calibration runs send random
    requests, on 1E1P1D with an image each: the encoder's first-use costs are paid before the
@@ -122,9 +122,11 @@ LEVEL_SEED = 1  # a level's seed: LEVEL_SEED + its index among all (workload, le
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 IDLE_SHARE = 0.05  # other work below this share of the CPUs counts as idle
 IDLE_WINDOW_S = 3.0
-# The calibration runs: rates as multiples of the offline capacity estimate (a light and a heavy
-# load, so that steps with the other worker idle and busy are both traced), each with its seed.
-CALIBRATION_LOADS = (0.75, 1.25)
+# The calibration runs: rates as multiples of the offline capacity estimate (a light, a middle
+# and a heavy load, so that steps with the other worker idle and busy are both traced, and small
+# batches as well as large: served steps are slower than the offline profile's, so the judged
+# 0.5x level sits near 0.4x the offline estimate), each with its seed.
+CALIBRATION_LOADS = (0.4, 0.75, 1.25)
 CALIBRATION_SEED = 500
 CAPACITY_RATES = tuple(round(0.25 * 1.25**k, 3) for k in range(20))  # 0.25 .. ~17 requests/s
 AZURE_TRACE = "azure_conv.csv"
