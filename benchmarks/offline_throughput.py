@@ -1,7 +1,7 @@
 """Offline throughput: epdserve's engine beside vLLM's offline engine, in one run.
 
     .venv/bin/python benchmarks/offline_throughput.py [--num-prompts 64] [--input-len 256]
-        [--output-len 128] [--dtype auto] [--rounds 3] [--skip-vllm] [--json out.json]
+        [--output-len 128] [--dtype auto] [--rounds 3] [--skip-vllm] [--against-dtype D] [--json out.json]
 
 Workload (as `vllm bench throughput --dataset-name random`): N prompts of random token ids,
 fixed output length, EOS ignored, all cores, both engines in one dtype (``--dtype auto``: what
@@ -15,6 +15,10 @@ shared host the speed of the same code moves by tens of percent within minutes, 
 can land on a fast and a slow stretch. Each round's ratio is of its own pair; the summary is
 the median ratio and the rounds' spread. epdserve's engine is built once; each round sends
 prompts of its own seed, so no round finds another's prompts in the prefix cache.
+
+``--against-dtype D``: a second epdserve engine in dtype D runs each round's prompts right after
+the first (both built once, side by side in one process), with the ratio of the two per round:
+what ``--dtype auto`` gains or loses on this CPU against the other choice.
 """
 
 from __future__ import annotations
@@ -45,8 +49,8 @@ def random_prompts(vocab_size: int, num: int, length: int, seed: int) -> list[li
     return [[rng.randrange(1000, vocab_size - 1000) for _ in range(length)] for _ in range(num)]
 
 
-def build_engine(args: argparse.Namespace) -> LLMEngine:
-    engine = LLMEngine(EngineArgs(dtype=args.dtype, max_num_batched_tokens=args.max_num_batched_tokens))
+def build_engine(args: argparse.Namespace, dtype: str | None = None) -> LLMEngine:
+    engine = LLMEngine(EngineArgs(dtype=dtype or args.dtype, max_num_batched_tokens=args.max_num_batched_tokens))
     engine.generate(random_prompts(engine.loaded.spec.vocab_size, 2, 32, 1), SamplingParams(max_tokens=4))
     return engine
 
@@ -172,6 +176,8 @@ def main() -> int:
     parser.add_argument("--dtype", default="auto", help="auto: epdserve's default on this machine")
     parser.add_argument("--rounds", type=int, default=3, help="alternating epdserve / vLLM pairs")
     parser.add_argument("--skip-vllm", action="store_true")
+    parser.add_argument("--against-dtype", default=None,
+                        help="a second epdserve engine in this dtype, each round, with the ratio")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     if args.rounds < 1:
@@ -181,11 +187,20 @@ def main() -> int:
     torch.set_num_threads(os.cpu_count() or 1)
 
     engine = build_engine(args)
+    other = None
+    if args.against_dtype is not None:
+        args.against_dtype = resolve_dtype_name(args.against_dtype)
+        other = build_engine(args, args.against_dtype)
     rounds = []
     for k in range(args.rounds):
         ours = run_epdserve(args, engine, k)
         print(f"round {k + 1} epdserve: {ours['requests_per_s']:.2f} req/s, {ours['total_tokens_per_s']:.1f} total "
               f"tok/s, {ours['output_tokens_per_s']:.1f} output tok/s ({ours['elapsed_s']:.1f} s)")
+        if other is not None:
+            theirs = run_epdserve(args, other, k)
+            dtype_ratio = ours["total_tokens_per_s"] / theirs["total_tokens_per_s"]
+            print(f"round {k + 1} epdserve in {args.against_dtype}: {theirs['total_tokens_per_s']:.1f} total tok/s "
+                  f"({theirs['elapsed_s']:.1f} s); {args.dtype} / {args.against_dtype} {dtype_ratio:.2f}x")
         roof = roofline(engine, k)
         print(f"round {k + 1} decode step at batch 1: {roof['decode_step_ms_batch1']:.2f} ms; bandwidth bound "
               f"{roof['decode_bound_ms']:.2f} ms ({roof['weight_bytes'] / 1e6:.0f} MB weights, "
@@ -197,8 +212,12 @@ def main() -> int:
         if vllm:
             print(f"round {k + 1} vLLM:     {vllm['requests_per_s']:.2f} req/s, {vllm['total_tokens_per_s']:.1f} "
                   f"total tok/s, {vllm['output_tokens_per_s']:.1f} output tok/s; epdserve / vLLM {ratio:.2f}x")
-        rounds.append({"epdserve": ours, "vllm": vllm, "roofline": roof, "ratio": ratio})
+        rounds.append({"epdserve": ours, "vllm": vllm, "roofline": roof, "ratio": ratio,
+                       **({"against": theirs, "dtype_ratio": dtype_ratio} if other is not None else {})})
     print(f"epdserve total tok/s: {spread([r['epdserve']['total_tokens_per_s'] for r in rounds])}")
+    if other is not None:
+        print(f"epdserve {args.dtype} / {args.against_dtype} total tokens/s: "
+              f"{spread([r['dtype_ratio'] for r in rounds])}")
     print(f"decode at batch 1 / bandwidth bound: "
           f"{spread([r['roofline']['decode_step_ms_batch1'] / r['roofline']['decode_bound_ms'] for r in rounds])}")
     ratios = [r["ratio"] for r in rounds if r["ratio"] is not None]
@@ -206,7 +225,8 @@ def main() -> int:
         print(f"vLLM total tok/s: {spread([r['vllm']['total_tokens_per_s'] for r in rounds if r['vllm']])}")
         print(f"epdserve / vLLM total tokens/s: {spread(ratios)}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"rounds": rounds, "median_ratio": statistics.median(ratios) if ratios else None},
+        Path(args.json).write_text(json.dumps({"dtype": args.dtype, "against_dtype": args.against_dtype, "rounds": rounds,
+                                               "median_ratio": statistics.median(ratios) if ratios else None},
                                               indent=2))
     return 0
 

@@ -903,19 +903,24 @@ def _pool_ratios(parts: list[dict]) -> dict:
     return {"served_over_predicted": mean, "num_steps": n}
 
 
-def recalibrate(results: dict, out_dir: Path, log: list[str]) -> None:
+def recalibrate(results: dict, out_dir: Path, log: list[str], first_windows: list[int] | None = None) -> None:
     """The run's calibrations redone by ``epdserve calibrate`` as it is now, on the same step
     traces and windows (the first round's, and the whole stretch's), into ``out_dir``; each
-    cell's calibrated profiles are replaced by them."""
+    cell's calibrated profiles are replaced by them. ``first_windows``: only these of the first
+    round's calibration runs (0-based, in the order they ran) for the first profile."""
     profile = Path(results["profile"])
     for topology, state in results["states"].items():
         if state["first_profile"] is None:
             continue
         name = topology.replace("=", "").replace(",", "_")
         windows = [(float(a), float(b)) for _, a, b in state["calibration_windows"]]
+        first_round = [(float(a), float(b)) for k, a, b in state["calibration_windows"] if k == 0]
+        if first_windows is not None:
+            if not all(0 <= i < len(first_round) for i in first_windows):
+                sys.exit(f"--first-windows: the first round of {topology} has {len(first_round)} calibration runs")
+            first_round = [first_round[i] for i in first_windows]
         first = out_dir / f"rejudged_profile_calibrated_{name}.json"
-        run_calibrate(profile, Path(state["trace_dirs"][0]),
-                      [(float(a), float(b)) for k, a, b in state["calibration_windows"] if k == 0], first, log)
+        run_calibrate(profile, Path(state["trace_dirs"][0]), first_round, first, log)
         merged = TopologyState(trace_dirs=[Path(d) for d in state["trace_dirs"]])
         stretch = out_dir / f"rejudged_profile_calibrated_{name}_stretch.json"
         run_calibrate(profile, merged_trace_dir(merged, out_dir / f"rejudged_steps_{name}_all"), windows, stretch, log)
@@ -924,17 +929,18 @@ def recalibrate(results: dict, out_dir: Path, log: list[str]) -> None:
                 cell["profiles"].update(sim=str(first), sim_stretch=str(stretch))
 
 
-def rejudge(out_dir: Path, redo_calibration: bool = False) -> str:
+def rejudge(out_dir: Path, redo_calibration: bool = False, first_windows: list[int] | None = None) -> str:
     """The real runs stored in ``out_dir`` (a finished run's results.json, its bench results and
     replay traces) replayed again in the simulator as it is now, on the profiles that run judged
     on (``redo_calibration``: on calibrations redone as ``epdserve calibrate`` is now, from the
-    same traces; the step-time attribution kept either way): a change to the simulator judged
+    same traces, ``first_windows`` as ``recalibrate`` takes them; the step-time attribution kept
+    either way): a change to the simulator judged
     without new real runs. Writes results_rejudged.json and report_rejudged.md; returns the report."""
     results = json.loads((out_dir / "results.json").read_text(encoding="utf-8"))
     scale = Scale(**{k: tuple(v) if isinstance(v, list) else v for k, v in results["scale"].items()})
     log: list[str] = []
     if redo_calibration:
-        recalibrate(results, out_dir, log)
+        recalibrate(results, out_dir, log, first_windows)
     cells = results["cells"]
     for cell in cells:
         topology = cell["topology"]
@@ -957,6 +963,9 @@ def main(argv: list[str] | None = None) -> int:
                              "now, on the profiles it judged on; no server is started")
     parser.add_argument("--recalibrate", action="store_true",
                         help="with --rejudge: redo the run's calibrations from its step traces first")
+    parser.add_argument("--first-windows", default=None, metavar="I,J,..",
+                        help="with --recalibrate: calibrate the first profile on only these of the first round's "
+                             "calibration runs (0-based, in the order they ran)")
     parser.add_argument("--profile", type=Path, default=None, help="profile.json (default: measure one first)")
     parser.add_argument("--out", type=Path, default=Path("out/sim_fidelity"))
     parser.add_argument("--topology", "--only", dest="topologies", action="append", choices=list(TOPOLOGIES),
@@ -980,10 +989,18 @@ def main(argv: list[str] | None = None) -> int:
     if ns.rejudge is not None:
         if not (ns.rejudge / "results.json").is_file():
             parser.error(f"--rejudge: no results.json in {ns.rejudge}")
-        print(rejudge(ns.rejudge, ns.recalibrate))
+        first_windows = None
+        if ns.first_windows is not None:
+            if not ns.recalibrate:
+                parser.error("--first-windows goes with --recalibrate")
+            try:
+                first_windows = [int(i) for i in ns.first_windows.split(",")]
+            except ValueError:
+                parser.error(f"--first-windows: comma-separated run indices, got {ns.first_windows!r}")
+        print(rejudge(ns.rejudge, ns.recalibrate, first_windows))
         return 0
-    if ns.recalibrate:
-        parser.error("--recalibrate goes with --rejudge")
+    if ns.recalibrate or ns.first_windows is not None:
+        parser.error("--recalibrate and --first-windows go with --rejudge")
     scale = QUICK if ns.quick else FULL
     if ns.rounds is not None:
         if ns.rounds < 1:

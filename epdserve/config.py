@@ -162,9 +162,10 @@ class EngineArgs:
 
 
 def resolve_dtype_name(dtype: str, device: str = "cpu") -> str:
-    """``auto`` -> bfloat16 on CUDA and on CPUs whose oneDNN has a bf16 matmul path
-    (AVX-512 or AMX); float32 on other CPUs (e.g. AVX2 only), where bf16 matmuls are emulated
-    and several times slower than float32. ``device``: a resolved device name."""
+    """``auto`` -> bfloat16 on CUDA and on CPUs with bf16 dot products in hardware
+    (AVX512-BF16 or AMX, ``cpu_has_fast_bf16``); float32 on other CPUs (AVX2 only, or AVX-512
+    without BF16), where bf16 matmuls are emulated and several times slower than float32.
+    ``device``: a resolved device name."""
     if dtype == "auto":
         return "bfloat16" if not device.startswith("cpu") or cpu_has_fast_bf16() else "float32"
     aliases = {"bf16": "bfloat16", "fp32": "float32", "float": "float32", "fp16": "float16", "half": "float16"}
@@ -174,14 +175,31 @@ def resolve_dtype_name(dtype: str, device: str = "cpu") -> str:
 
 
 @functools.cache
-def cpu_has_fast_bf16() -> bool:
-    """This CPU runs bf16 matmuls natively (oneDNN's own check: AVX-512 or AMX)."""
+def cpu_has_onednn_bf16() -> bool:
+    """oneDNN has a bf16 matmul path here (its own check) and packs bf16 weights: in hardware on
+    AVX512-BF16 and AMX, emulated on other AVX-512 CPUs."""
     import torch
 
     try:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except (AttributeError, RuntimeError):  # a torch build without oneDNN
         return False
+
+
+@functools.cache
+def cpu_has_fast_bf16() -> bool:
+    """This CPU runs bf16 matmuls in hardware: oneDNN's bf16 path on AVX512-BF16 or AMX tiles.
+    On AVX-512 without them oneDNN emulates bf16 (an Intel Xeon of that kind: a 256 x 576 x
+    1,536 matmul 4.3x slower in bf16 than in float32, prefill 2.8x slower, see
+    docs/benchmarks.md), so it does not count."""
+    import torch
+
+    if not cpu_has_onednn_bf16():
+        return False
+    checks = [getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
+    if not any(checks):  # a torch without these checks: oneDNN's word
+        return True
+    return any(bool(check()) for check in checks if check is not None)
 
 
 def resolve_device_name(device: str) -> str:

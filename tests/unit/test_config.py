@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from epdserve import config
-from epdserve.config import EngineArgs, cpu_has_fast_bf16, resolve_dtype_name
+from epdserve.config import EngineArgs, cpu_has_fast_bf16, cpu_has_onednn_bf16, resolve_dtype_name
 from epdserve.errors import ConfigError
 from epdserve.models.layers import packed_linear
 
@@ -35,8 +35,23 @@ def test_auto_dtype_on_cpu_follows_bf16_support(monkeypatch, fast_bf16: bool, ex
     assert EngineArgs(device="cpu").resolve(1024, 1 << 20).dtype == expected
 
 
-def test_bf16_support_is_onednn_own_check() -> None:
-    assert cpu_has_fast_bf16() == bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+def test_fast_bf16_is_in_hardware_and_onednn_path(monkeypatch) -> None:
+    assert cpu_has_onednn_bf16() == bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    # This host's answer: oneDNN's path, and AVX512-BF16 or AMX tiles.
+    native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    assert cpu_has_fast_bf16() == (cpu_has_onednn_bf16() and native)
+    # An AVX-512 CPU without them: oneDNN packs and emulates bf16, which does not count as fast.
+    for avx512_bf16, amx, expected in ((False, False, False), (True, False, True), (False, True, True)):
+        monkeypatch.setattr(config, "cpu_has_onednn_bf16", lambda: True)
+        monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda v=avx512_bf16: v)
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda v=amx: v)
+        config.cpu_has_fast_bf16.cache_clear()
+        assert config.cpu_has_fast_bf16() is expected
+    monkeypatch.setattr(config, "cpu_has_onednn_bf16", lambda: False)
+    config.cpu_has_fast_bf16.cache_clear()
+    assert not config.cpu_has_fast_bf16()  # no oneDNN path at all
+    monkeypatch.undo()
+    config.cpu_has_fast_bf16.cache_clear()
 
 
 def test_bad_dtype_is_a_config_error() -> None:
@@ -45,7 +60,7 @@ def test_bad_dtype_is_a_config_error() -> None:
 
 
 def test_no_packing_and_no_warning_without_bf16_support(monkeypatch, caplog) -> None:
-    monkeypatch.setattr(packed_linear, "cpu_has_fast_bf16", lambda: False)
+    monkeypatch.setattr(packed_linear, "cpu_has_onednn_bf16", lambda: False)
     model = nn.Sequential(_Packable(torch.bfloat16), _Packable(torch.bfloat16))
     with caplog.at_level(logging.WARNING):
         assert packed_linear.prepack_model(model) == 0
@@ -55,7 +70,7 @@ def test_no_packing_and_no_warning_without_bf16_support(monkeypatch, caplog) -> 
     torch.testing.assert_close(packed_linear.linear(x, model[0].weight, None, None), x @ model[0].weight.T)
 
 
-@pytest.mark.skipif(not cpu_has_fast_bf16(), reason="this CPU has no bf16 matmul path in oneDNN")
+@pytest.mark.skipif(not cpu_has_onednn_bf16(), reason="this CPU has no bf16 matmul path in oneDNN")
 def test_bf16_weights_packed_where_supported() -> None:
     model = nn.Sequential(_Packable(torch.bfloat16), _Packable(torch.float32))
     assert packed_linear.prepack_model(model) == 1  # float32 weights stay with F.linear

@@ -96,3 +96,9 @@ def test_rejudge_replays_the_stored_runs_in_the_simulator_as_it_is_now(tmp_path)
     out = json.loads((tmp_path / "results_rejudged.json").read_text())
     assert out["cells"][0]["profiles"]["sim"] == str(tmp_path / "rejudged_profile_calibrated_colocated2.json")
     assert out["cells"][0]["sim"]["ttft_p50_ms"]["sim"] == pytest.approx(1.5 * 42.0, rel=1e-2)
+    # Only some of the first round's calibration runs (by their order): here the one there is.
+    sim_fidelity.rejudge(tmp_path, redo_calibration=True, first_windows=[0])
+    out = json.loads((tmp_path / "results_rejudged.json").read_text())
+    assert out["cells"][0]["sim"]["ttft_p50_ms"]["sim"] == pytest.approx(1.5 * 42.0, rel=1e-2)
+    with pytest.raises(SystemExit, match="has 1 calibration runs"):
+        sim_fidelity.rejudge(tmp_path, redo_calibration=True, first_windows=[1])

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from epdserve.config import cpu_has_fast_bf16
+from epdserve.config import cpu_has_onednn_bf16
 
 log = logging.getLogger(__name__)
 
@@ -25,7 +25,7 @@ def can_pack(weight: torch.Tensor) -> bool:
     """A bf16 CPU matrix, on a CPU where oneDNN has a bf16 matmul path (AVX-512 or AMX; on
     others it refuses the packing and ``F.linear`` is the only path)."""
     return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and weight.dim() == 2
-            and cpu_has_fast_bf16())
+            and cpu_has_onednn_bf16())
 
 
 def pack(weight: torch.Tensor, batch_hint: int = DEFAULT_BATCH_HINT) -> torch.Tensor | None:
