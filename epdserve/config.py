@@ -112,7 +112,7 @@ class EngineArgs:
     """User-facing options; "auto" and None are resolved against the model in ``resolve``."""
 
     model: str | None = None
-    dtype: str = "auto"  # bfloat16 on CUDA and on CPUs with a bf16 matmul path, else float32
+    dtype: str = "auto"  # bfloat16 on CUDA and on CPUs with bf16 dot products in hardware, else float32
     device: str = "auto"  # cuda when available, else cpu
     seed: int = 0
     max_model_len: int | None = None  # None: min(model's context length, 4096)
