@@ -9,7 +9,10 @@ busy time and are fitted no cost); for each role this module predicts every trac
 profile, split into the cost model's term groups (base, prefill terms, decode terms), and fits
 per group a factor for a step alone and an extra for a step during which the host's other traced
 workers are mid-step: a step of one sequence that streams the model's weights slows far more
-next to another such step than a prefill does. The result is a profile like any other
+next to another such step than a prefill does. Then, per batch size with at least MIN_KNOT_STEPS
+decode-only steps, their served time over that fit becomes a knot of the step cost's
+``decode_factors``: a CPU's matmul kernels are not linear in their row count (on an AVX-512 Xeon
+in float32, 12 rows took longer than 16), which no linear term follows. The result is a profile like any other
 (``simulate`` and ``plan`` read it): the scaled step cost, a ``neighbour_step`` cost that the
 simulator adds by the share of an instance's neighbours that are mid-step, and a
 ``calibration`` record of the factors and what they were measured on.
@@ -40,6 +43,9 @@ from epdserve.sim.cost_model import STEP_ROLES, CostModel, StepCost
 from epdserve.sim.nnls import nnls
 
 MIN_STEPS = 10  # a role needs at least this many traced steps to be calibrated
+# A batch size gets a decode factor (``StepCost.decode_factors``) from at least this many
+# decode-only steps of that size.
+MIN_KNOT_STEPS = 30
 
 
 TERMS = ("base", "prefill", "decode")  # the cost model's terms in three groups (StepCost.parts_s)
@@ -58,6 +64,7 @@ class RoleCalibration:
     alone: tuple[float, float, float]  # per term group (TERMS): served / profiled, no traced neighbour mid-step
     busy: tuple[float, float, float]  # per term group: extra served / profiled while every neighbour is mid-step
     cpu_share: float | None = None  # one-thread workers: their CPU time / served time (None: not traced)
+    decode_factors: tuple[tuple[int, float], ...] = ()  # (batch size, served / fitted) of decode-only steps
 
     @property
     def factor(self) -> float:
@@ -65,7 +72,8 @@ class RoleCalibration:
 
     def to_dict(self) -> dict:
         return {"factor": round(self.factor, 4), "alone": dict(zip(TERMS, (round(a, 4) for a in self.alone))),
-                "busy": dict(zip(TERMS, (round(b, 4) for b in self.busy))), "num_steps": self.num_steps,
+                "busy": dict(zip(TERMS, (round(b, 4) for b in self.busy))),
+                "decode_factors": [[d, round(f, 4)] for d, f in self.decode_factors], "num_steps": self.num_steps,
                 "cpu_share": None if self.cpu_share is None else round(self.cpu_share, 4),
                 "served_s": round(self.served_s, 3), "predicted_s": round(self.predicted_s, 3)}
 
@@ -191,6 +199,17 @@ def fit_terms(walls: np.ndarray, parts: np.ndarray, overlap: np.ndarray) -> tupl
     return alone, busy
 
 
+def decode_knots(walls: np.ndarray, predicted: np.ndarray, num_seqs: np.ndarray) -> tuple[tuple[int, float], ...]:
+    """Per batch size of at least MIN_KNOT_STEPS decode-only steps (``num_seqs`` > 0; 0 marks a
+    step that prefills): their summed time over the summed prediction, one knot each."""
+    knots = []
+    for d in np.unique(num_seqs[num_seqs > 0]):
+        mine = num_seqs == d
+        if mine.sum() >= MIN_KNOT_STEPS:
+            knots.append((int(d), float(walls[mine].sum() / max(predicted[mine].sum(), 1e-12))))
+    return tuple(knots)
+
+
 def calibrate(cost: CostModel, trace_dir: Path, since: float | None = None,
               windows: list[tuple[float, float]] | None = None) -> tuple[CostModel, dict[str, RoleCalibration]]:
     """The profile with each traced role's step cost scaled to its steps in service: per term
@@ -225,28 +244,35 @@ def calibrate(cost: CostModel, trace_dir: Path, since: float | None = None,
             keep &= np.any([(trace.starts >= a) & (trace.starts < b) for a, b in windows], axis=0)
         if trace.cpus is not None and trace.num_threads == 1:
             cpu.setdefault(trace.role, []).append((float(trace.cpus[keep].sum()), float(trace.walls[keep].sum())))
-        parts = step_parts(cost.role(trace.role).step, [s for s, k in zip(trace.shapes, keep) if k])
+        shapes = [s for s, k in zip(trace.shapes, keep) if k]
+        parts = step_parts(cost.role(trace.role).step.with_decode_factors(()), shapes)
         sharing, overlap = neighbour_split(trace, traces)
+        decode_only = np.array([0 if s.num_prefill_tokens else s.num_decode_seqs for s in shapes], dtype=np.int64)
         # A step's time on a core it had to itself: what the simulator stretches again when it
         # places instances on shared cores (simulate --cores-per-host).
-        by_role.setdefault(trace.role, []).append((trace.walls[keep] / sharing[keep], parts, overlap[keep]))
+        by_role.setdefault(trace.role, []).append((trace.walls[keep] / sharing[keep], parts, overlap[keep],
+                                                   decode_only))
     result = {}
     for role, groups in by_role.items():
-        walls, parts, overlap = (np.concatenate(g) for g in zip(*groups))
+        walls, parts, overlap, decode_only = (np.concatenate(g) for g in zip(*groups))
         if len(walls) < MIN_STEPS:
             raise ConfigError(f"only {len(walls)} {role} steps traced in {trace_dir}"
                               + ("" if since is None else f" since {since:g}")
                               + ("" if not windows else " in " + ", ".join(f"{a:g}:{b:g}" for a, b in windows))
                               + f"; calibrate needs at least {MIN_STEPS}")
         alone, busy = fit_terms(walls, parts, overlap)
+        fitted = parts @ alone + (parts * overlap[:, None]) @ busy
         cpu_share = sum(c for c, _ in cpu[role]) / max(sum(w for _, w in cpu[role]), 1e-9) if role in cpu else None
         result[role] = RoleCalibration(role, len(walls), float(walls.sum()), float(parts.sum()),
-                                       tuple(float(a) for a in alone), tuple(float(b) for b in busy), cpu_share)
+                                       tuple(float(a) for a in alone), tuple(float(b) for b in busy), cpu_share,
+                                       decode_knots(walls, fitted, decode_only))
     roles = dict(cost.roles)
     for role, cal in result.items():
         old = roles[role]
-        neighbour = old.step.scaled(*cal.busy) if any(cal.busy) else None
-        roles[role] = replace(old, step=old.step.scaled(*cal.alone), neighbour_step=neighbour)
+        step = old.step.with_decode_factors(())
+        neighbour = step.scaled(*cal.busy).with_decode_factors(cal.decode_factors) if any(cal.busy) else None
+        roles[role] = replace(old, step=step.scaled(*cal.alone).with_decode_factors(cal.decode_factors),
+                              neighbour_step=neighbour)
     raw = dict(cost.raw)
     raw["calibration"] = {"step_trace_dir": str(trace_dir), "since": since, "windows": windows,
                           "roles": {r: c.to_dict() for r, c in result.items()}}

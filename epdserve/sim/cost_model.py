@@ -7,20 +7,24 @@ One engine step of a role takes (seconds)::
 
 over the step's scheduled entries: an entry with more than one new token, or one still inside
 its prompt, is prefill (P = its new tokens, A = query-key pairs of causal attention over them);
-the others are decode (D = their count, C = their context length, start_pos + 1). An encoder
-batch of images takes ``base_s + per_tile_s * total_tiles``.
+the others are decode (D = their count, C = their context length, start_pos + 1). A decode-only
+step (P = 0) is then multiplied by ``decode_factors``, a factor per batch size D interpolated
+linearly between knots (none in an offline profile; ``epdserve calibrate`` fits them from served
+steps: a CPU's matmul kernels are not linear in their row count, e.g. 12 rows slower than 16).
+An encoder batch of images takes ``base_s + per_tile_s * total_tiles``.
 
 ``epdserve profile`` writes the file; ``simulate`` and ``plan`` read it.
 """
 
 from __future__ import annotations
 
+import bisect
 import copy
 import functools
 import json
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +63,10 @@ def _check_count(name: str, value: Any, minimum: int) -> None:
     )
 
 
+COEFFICIENTS = ("base_s", "per_prefill_token_s", "per_prefill_attn_pair_s", "per_decode_seq_s",
+                "per_decode_context_token_s")
+
+
 @dataclass(frozen=True)
 class StepCost:
     """Seconds per step and per unit of each ``StepShape`` term; all >= 0."""
@@ -68,21 +76,48 @@ class StepCost:
     per_prefill_attn_pair_s: float
     per_decode_seq_s: float
     per_decode_context_token_s: float
+    # (batch size D, factor) knots, D increasing: a decode-only step of D sequences takes the
+    # terms' time times the factor interpolated at D (the end knots' beyond them); () = 1.
+    decode_factors: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
-        for f in fields(self):
-            _check_coefficient(f.name, getattr(self, f.name))
+        for name in COEFFICIENTS:
+            _check_coefficient(name, getattr(self, name))
+        knots = self.decode_factors
+        _require(isinstance(knots, tuple) and all(isinstance(k, tuple) and len(k) == 2 for k in knots),
+                 f"decode_factors must be (batch size, factor) pairs, got {knots!r}")
+        for d, f in knots:
+            _check_count("decode_factors batch size", d, 1)
+            _require(_is_number(f) and math.isfinite(f) and f > 0, f"a decode factor must be > 0, got {f!r}")
+        _require(all(a[0] < b[0] for a, b in zip(knots, knots[1:])),
+                 f"decode_factors' batch sizes must increase, got {[d for d, _ in knots]}")
 
     def time_s(self, shape: StepShape) -> float:
         # The prefill terms are written out rather than calling prefill_s: this runs for every
         # simulated step.
-        return (
+        t = (
             self.base_s
             + self.per_prefill_token_s * shape.num_prefill_tokens
             + self.per_prefill_attn_pair_s * shape.prefill_attn_pairs
             + self.per_decode_seq_s * shape.num_decode_seqs
             + self.per_decode_context_token_s * shape.decode_context_tokens
         )
+        if self.decode_factors and not shape.num_prefill_tokens:
+            t *= self.decode_factor(shape.num_decode_seqs)
+        return t
+
+    def decode_factor(self, num_seqs: int) -> float:
+        """The factor of a decode-only step of ``num_seqs`` sequences (1 without knots)."""
+        knots = self.decode_factors
+        if not knots:
+            return 1.0
+        i = bisect.bisect_left(knots, (num_seqs, -math.inf))
+        if i == 0:
+            return knots[0][1]
+        if i == len(knots):
+            return knots[-1][1]
+        (d0, f0), (d1, f1) = knots[i - 1], knots[i]
+        return f0 + (f1 - f0) * (num_seqs - d0) / (d1 - d0)
 
     def decode_times_s(self, num_seqs: int, context: int, num_steps: int) -> list[float]:
         """``time_s`` of ``num_steps`` decode-only steps of ``num_seqs`` sequences whose context
@@ -90,6 +125,9 @@ class StepCost:
         prefill terms add 0.0 to the base, exactly), without a shape per step."""
         first = self.base_s + self.per_decode_seq_s * num_seqs
         per_context = self.per_decode_context_token_s
+        if self.decode_factors:
+            f = self.decode_factor(num_seqs)
+            return [(first + per_context * (context + j * num_seqs)) * f for j in range(num_steps)]
         return [first + per_context * (context + j * num_seqs) for j in range(num_steps)]
 
     def prefill_s(self, shape: StepShape) -> float:
@@ -104,23 +142,35 @@ class StepCost:
         decode = factor if decode_factor is None else decode_factor
         return StepCost(self.base_s * factor, self.per_prefill_token_s * prefill,
                         self.per_prefill_attn_pair_s * prefill, self.per_decode_seq_s * decode,
-                        self.per_decode_context_token_s * decode)
+                        self.per_decode_context_token_s * decode, self.decode_factors)
+
+    def with_decode_factors(self, knots: Sequence[tuple[int, float]]) -> StepCost:
+        return replace(self, decode_factors=tuple((int(d), float(f)) for d, f in knots))
 
     def parts_s(self, shape: StepShape) -> tuple[float, float, float]:
-        """``time_s`` as (base, prefill terms, decode terms)."""
+        """``time_s`` as (base, prefill terms, decode terms), a decode-only step's times its factor."""
         prefill = self.prefill_s(shape)
         decode = self.per_decode_seq_s * shape.num_decode_seqs + self.per_decode_context_token_s * shape.decode_context_tokens
+        if self.decode_factors and not shape.num_prefill_tokens:
+            f = self.decode_factor(shape.num_decode_seqs)
+            return self.base_s * f, prefill, decode * f
         return self.base_s, prefill, decode
 
     def to_dict(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        d = {name: getattr(self, name) for name in COEFFICIENTS}
+        if self.decode_factors:
+            d["decode_factors"] = [list(k) for k in self.decode_factors]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> StepCost:
         _require(isinstance(d, dict), f"step must be an object, got {type(d).__name__}")
-        for f in fields(cls):
-            _require(f.name in d, f"step is missing {f.name!r}")
-        return cls(**{f.name: d[f.name] for f in fields(cls)})
+        for name in COEFFICIENTS:
+            _require(name in d, f"step is missing {name!r}")
+        knots = d.get("decode_factors") or []
+        _require(isinstance(knots, list) and all(isinstance(k, list) and len(k) == 2 for k in knots),
+                 f"step decode_factors must be a list of [batch size, factor] pairs, got {knots!r}")
+        return cls(**{name: d[name] for name in COEFFICIENTS}, decode_factors=tuple(tuple(k) for k in knots))
 
     @staticmethod
     def fit(samples: Sequence[tuple[StepShape, float]]) -> tuple[StepCost, dict]:

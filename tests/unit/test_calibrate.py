@@ -10,7 +10,7 @@ from sim_profiles import profile_dict
 from epdserve.cli import main
 from epdserve.engine.step_shape import StepShape
 from epdserve.errors import ConfigError
-from epdserve.planner.calibrate import MIN_STEPS, calibrate
+from epdserve.planner.calibrate import MIN_KNOT_STEPS, MIN_STEPS, calibrate
 from epdserve.sim.cost_model import CostModel
 
 
@@ -187,6 +187,29 @@ def test_time_sharing_taken_out_as_a_fairly_shared_core(tmp_path):
     calibrated, result = calibrate(cost, tmp_path)
     assert calibrated.role("decode").step.time_s(shape) == pytest.approx(pred, rel=1e-2)
     assert calibrated.role("decode").neighbour_step is None
+
+
+def test_decode_factor_per_batch_size(tmp_path):
+    """Served decode-only steps whose time is not linear in the batch size (12 sequences as
+    slow as 16, as a CPU's matmul kernel can be): each batch size with enough steps gets its
+    knot, and the calibrated cost predicts every size; a size with few steps gets none."""
+    cost = CostModel.from_dict(profile_dict())
+    step = cost.role("decode").step
+    served = {4: 1.0, 8: 1.1, 12: 1.0, 16: 1.1}  # x the profile's time, a shape per batch size
+    shapes = {d: StepShape(0, 0, d, 300 * d) for d in served}
+    truth = {d: served[d] * step.time_s(shapes[d]) * (1.3 if d == 12 else 1.0) for d in served}
+    steps = [(shapes[d], truth[d]) for d in served for _ in range(40)]
+    steps += [(StepShape(0, 0, 3, 900), step.time_s(StepShape(0, 0, 3, 900)))] * (MIN_KNOT_STEPS - 1)
+    write_trace(tmp_path, "decode-0", "decode", steps)
+    calibrated, result = calibrate(cost, tmp_path)
+    role = calibrated.role("decode")
+    assert [d for d, _ in result["decode"].decode_factors] == [4, 8, 12, 16]  # not 3: too few steps
+    for d in served:
+        assert role.step.time_s(shapes[d]) == pytest.approx(truth[d], rel=1e-6)
+    assert role.step.decode_factors == result["decode"].decode_factors
+    # Calibrating a calibrated profile again fits its knots afresh, on the terms without them.
+    again, _ = calibrate(calibrated, tmp_path)
+    assert again.role("decode").step.time_s(shapes[12]) == pytest.approx(truth[12], rel=1e-6)
 
 
 @pytest.mark.parametrize("files, message", [

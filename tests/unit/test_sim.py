@@ -322,10 +322,34 @@ def test_decode_step_times_are_time_s_exactly():
     # A stretch's step times come from decode_times_s: the same floats as time_s per shape.
     for coefficients in [(0.01, 1e-3, 1e-6, 2e-3, 1e-6), (0.02985, 3.504e-4, 4.597e-6, 6.26e-4, 0.0),
                          (0.0, 0.0, 0.0, 1.859e-3, 3.3e-7)]:
-        cost = StepCost(*coefficients)
-        for num_seqs, context in [(1, 0), (7, 1234), (256, 90000)]:
-            expected = [cost.time_s(StepShape(0, 0, num_seqs, context + j * num_seqs)) for j in range(40)]
-            assert cost.decode_times_s(num_seqs, context, 40) == expected
+        for knots in ((), ((2, 0.9), (8, 1.25), (16, 1.0))):
+            cost = StepCost(*coefficients, decode_factors=knots)
+            for num_seqs, context in [(1, 0), (7, 1234), (256, 90000)]:
+                expected = [cost.time_s(StepShape(0, 0, num_seqs, context + j * num_seqs)) for j in range(40)]
+                assert cost.decode_times_s(num_seqs, context, 40) == expected
+
+
+def test_decode_factors_by_batch_size():
+    """A calibrated step cost's factor per decode batch size: linear between knots, the end
+    knots' beyond them, decode-only steps only; kept through scaling and the profile file."""
+    knots = ((2, 0.9), (8, 1.2), (16, 1.0))
+    cost = StepCost(0.01, 1e-3, 0.0, 2e-3, 0.0, decode_factors=knots)
+    plain = StepCost(0.01, 1e-3, 0.0, 2e-3, 0.0)
+    for num_seqs, factor in [(1, 0.9), (2, 0.9), (5, 1.05), (8, 1.2), (12, 1.1), (16, 1.0), (300, 1.0)]:
+        shape = StepShape(0, 0, num_seqs, 100 * num_seqs)
+        assert cost.time_s(shape) == pytest.approx(factor * plain.time_s(shape))
+        assert sum(cost.parts_s(shape)) == pytest.approx(cost.time_s(shape))
+    mixed = StepShape(64, 64 * 65 // 2, 8, 800)  # a step that prefills: no factor
+    assert cost.time_s(mixed) == plain.time_s(mixed) and cost.parts_s(mixed) == plain.parts_s(mixed)
+    assert cost.scaled(2.0).decode_factors == knots
+    assert StepCost.from_dict(cost.to_dict()) == cost and "decode_factors" not in plain.to_dict()
+    assert StepCost.from_dict(plain.to_dict()) == plain  # profiles without knots read as before
+    for bad, message in [(((0, 1.0),), "batch size"), (((2, 0.0),), "factor must be > 0"),
+                         (((4, 1.0), (2, 1.0)), "must increase"), (((2, 1.0, 3),), "pairs")]:
+        with pytest.raises(ConfigError, match=message):
+            StepCost(0.01, 0.0, 0.0, 0.0, 0.0, decode_factors=bad)
+    with pytest.raises(ConfigError, match="decode_factors"):
+        StepCost.from_dict({**plain.to_dict(), "decode_factors": "fast"})
 
 
 @pytest.mark.parametrize("blocks", [1000, 40])
