@@ -160,7 +160,7 @@ class SimLoop:
         self.by_worker_id[new.worker.worker_id] = new
         self.registry.add(new.worker)
         for inst in self.instances:
-            if inst is new or old in inst.neighbours:
+            if inst is new or old in inst.neighbours or old in inst.sharers:
                 self._set_neighbours(inst)
         self.roles.on_switched(self.now, new)
 
