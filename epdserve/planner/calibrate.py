@@ -12,17 +12,18 @@ workers are mid-step: a step of one sequence that streams the model's weights sl
 next to another such step than a prefill does. Then, per batch size with at least MIN_KNOT_STEPS
 decode-only steps, their served time over that fit becomes a knot of the step cost's
 ``decode_factors``: a CPU's matmul kernels are not linear in their row count (on an AVX-512 Xeon
-in float32, 12 rows took longer than 16), which no linear term follows. The result is a profile like any other
-(``simulate`` and ``plan`` read it): the scaled step cost, a ``neighbour_step`` cost that the
-simulator adds by the share of an instance's neighbours that are mid-step, and a
+in float32, 12 rows took longer than 16), which no linear term follows. The result is a profile
+like any other (``simulate`` and ``plan`` read it): the scaled step cost, a ``neighbour_step``
+cost that the simulator adds by the share of an instance's neighbours that are mid-step, and a
 ``calibration`` record of the factors and what they were measured on.
 
 Workers pinned to the same core time-share it (serve wraps around when a host has fewer cores
 than workers, e.g. an encoder beside a decode worker on two cores). The kernel shares a core
-fairly, so a step's time on a core of its own is the integral over the step of 1 / (1 + the number
-of others mid-step on its cores) (``alone_time``); the fit is on that, only the workers on other
-cores count as neighbours, and ``simulate --cores-per-host`` shares the cores again by the same
-rule (``sim/instance.py`` ``Pace``). Traces name their worker's cores in the header (older ones do not: no sharing is seen).
+fairly, so a step's time on a core of its own is the integral over the step of 1 / (1 + the
+number of others mid-step on its cores) (``alone_time``); the fit is on that, only the workers
+on other cores count as neighbours, and ``simulate --cores-per-host`` shares the cores again by
+the same rule (``sim/instance.py`` ``Pace``). Traces name their worker's cores in the header
+(older ones do not: no sharing is seen).
 
 The factors belong to the packing they were measured on (which roles shared the host, at what
 load); calibrate on the deployment the simulation is about.
