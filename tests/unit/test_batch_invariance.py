@@ -4,8 +4,10 @@ On the CPU with the extension's kernels decode and prefill attention run one seq
 time (a prompt in chunks gets the same rows as at once), and ``packed_linear.linear_rows``
 pads every matmul's rows to a count the BLAS library sums in one order. So a request decoding
 alone, beside others, beside a prompt's prefill, or with its prompt cut into other chunks by
-a shared token budget gets the same output. The row rule was measured on AVX-512 CPUs without
-AMX; elsewhere (AMX tiles, AVX2) the libraries run other kernels and these tests skip.
+a shared token budget gets the same output. The row rule was measured on an AVX-512 CPU with
+AVX512-BF16 and without AMX (an AMD EPYC); elsewhere the libraries run other kernels and these
+tests skip: AMX tiles, AVX2, and AVX-512 without BF16 (on an Intel Xeon of that kind float32
+decode steps of one and of four sequences differed in a log-probability's last bits).
 """
 
 from __future__ import annotations
@@ -28,8 +30,9 @@ LONG = [5 + (13 * i) % 700 for i in range(150)]  # cut into chunks by a 64-token
 
 def unmeasured(dtype: str) -> str | None:
     """Why this CPU is outside what the row rule was measured on, or None."""
-    if torch.backends.cpu.get_cpu_capability() != "AVX512" or paged_attention_cpu._cpu_has_amx():
-        return "rows summed in an order measured on AVX-512 CPUs without AMX only"
+    if (torch.backends.cpu.get_cpu_capability() != "AVX512" or paged_attention_cpu._cpu_has_amx()
+            or not torch.cpu._is_avx512_bf16_supported()):
+        return "rows summed in an order measured on AVX-512 CPUs with AVX512-BF16 and without AMX only"
     if dtype == "bfloat16" and not (cpu_has_fast_bf16() and paged_attention_cpu._has_prefill_attention()):
         return "no AVX512-BF16 here: bf16 runs through other kernels"
     return None
