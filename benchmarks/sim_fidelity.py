@@ -2,6 +2,7 @@
 
     python benchmarks/sim_fidelity.py [--profile P] [--out out/sim_fidelity] [--quick] [--rounds N]
         [--topology T ...] [--no-calibrate] [--no-azure] [--slo-ttft-ms MS] [--slo-tpot-ms MS]
+    python benchmarks/sim_fidelity.py --rejudge DIR [--recalibrate [--first-windows I,J]]
 
 Topologies (``--topology``, repeatable; default all three), every worker on this machine with
 one core of its own where there is one: colocated x2 (two colocated workers), 1P1D (one prefill
