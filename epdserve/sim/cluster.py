@@ -273,12 +273,13 @@ class ClusterSim(SimLoop):
             step_s += inst.loader.loaded(out.loads)
         if out.pulls:  # copied from the decode instance's pages before the forward pass
             step_s += inst.puller.pulled(out.pulls)
-        pace = inst.pace
-        pace.work_s, pace.since = step_s, now
-        pace.neighbour_ratio = (inst.neighbour_step.time_s(shape) / max(step_s, 1e-12)
-                                if inst.neighbour_step is not None and inst.neighbours else 0.0)
-        pace.rate = progress_rate(inst)
-        step_s /= pace.rate  # as things stand now; re-timed when a sharer or neighbour begins or ends a step
+        if self.is_shared:  # else every step goes at its own pace: nothing to track
+            pace = inst.pace
+            pace.work_s, pace.since = step_s, now
+            pace.neighbour_ratio = (inst.neighbour_step.time_s(shape) / max(step_s, 1e-12)
+                                    if inst.neighbour_step is not None and inst.neighbours else 0.0)
+            pace.rate = progress_rate(inst)
+            step_s /= pace.rate  # as things stand now; re-timed when a sharer or neighbour begins or ends a step
         if shape.num_prefill_tokens:
             flights = self.flights
             for entry in out.scheduled:
@@ -497,10 +498,11 @@ class ClusterSim(SimLoop):
         num = min(len(enc.queue), enc.max_batch_images)
         enc.batch = [enc.queue.popleft() for _ in range(num)]
         step_s = enc.cost.time_s(num * self.workload.tiles_per_image)
-        pace = enc.pace
-        pace.work_s, pace.since = step_s, self.now
-        pace.rate = progress_rate(enc)
-        step_s /= pace.rate
+        if self.is_shared:
+            pace = enc.pace
+            pace.work_s, pace.since = step_s, self.now
+            pace.rate = progress_rate(enc)
+            step_s /= pace.rate
         enc.is_busy = True
         enc.num_steps += 1
         enc.busy_s += step_s
