@@ -129,6 +129,7 @@ IDLE_WINDOW_S = 3.0
 # 0.5x level sits near 0.4x the offline estimate), each with its seed.
 CALIBRATION_LOADS = (0.4, 0.75, 1.25)
 CALIBRATION_SEED = 500
+ATTRIBUTION_MIN_STEPS = 30  # a step kind with fewer traced steps in a cell names its miss only if every kind has fewer
 CAPACITY_RATES = tuple(round(0.25 * 1.25**k, 3) for k in range(20))  # 0.25 .. ~17 requests/s
 AZURE_TRACE = "azure_conv.csv"
 HOST_DRIFT = Path(__file__).with_name("host_drift.py")
@@ -651,15 +652,17 @@ def step_ratios(trace_dir: Path, windows: list[tuple[float, float]], cost: CostM
 
 
 def farthest_term(ratios: dict[str, dict]) -> str:
-    """The role and step kind whose served / predicted time is farthest from 1."""
-    best, text = -1.0, "no traced steps"
-    for role, kinds in ratios.items():
-        for kind, r in kinds.items():
-            x = r["served_over_predicted"]
-            if x is not None and abs(np.log(x)) > best:
-                best = abs(np.log(x))
-                text = f"{role} {'prefill' if kind == 'prefill' else 'decode-only'} steps × {x:.3f}"
-    return text
+    """The role and step kind whose served / predicted time is farthest from 1, among those
+    with at least ATTRIBUTION_MIN_STEPS steps where any has that many (a handful of odd steps,
+    such as a decode worker's recomputes after a preemption, does not name a cell's miss)."""
+    terms = [(role, kind, r["served_over_predicted"], r["num_steps"]) for role, kinds in ratios.items()
+             for kind, r in kinds.items() if r["served_over_predicted"] is not None]
+    if any(n >= ATTRIBUTION_MIN_STEPS for *_, n in terms):
+        terms = [t for t in terms if t[3] >= ATTRIBUTION_MIN_STEPS]
+    if not terms:
+        return "no traced steps"
+    role, kind, x, _ = max(terms, key=lambda t: abs(np.log(t[2])))
+    return f"{role} {'prefill' if kind == 'prefill' else 'decode-only'} steps × {x:.3f}"
 
 
 PROFILE_KEYS = {"sim": "the profile calibrated before the judged runs", "sim_stretch": "the profile calibrated "
@@ -957,6 +960,22 @@ def rejudge(out_dir: Path, redo_calibration: bool = False, first_windows: list[i
     return report
 
 
+def choose_scale(quick: bool, rounds: int | None, num_prompts: int | None) -> Scale:
+    """FULL or QUICK, with ``--rounds`` and ``--num-prompts`` (every judged and calibration run's
+    requests, and the Azure trace's head) where given; ValueError names a bad one."""
+    scale = QUICK if quick else FULL
+    if rounds is not None:
+        if rounds < 1:
+            raise ValueError("--rounds must be at least 1")
+        scale = replace(scale, rounds=rounds)
+    if num_prompts is not None:
+        if num_prompts < 2:
+            raise ValueError("--num-prompts must be at least 2")
+        scale = replace(scale, num_prompts=num_prompts, num_calibration_prompts=num_prompts,
+                        azure_num_prompts=num_prompts)
+    return scale
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rejudge", type=Path, default=None, metavar="DIR",
@@ -974,6 +993,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="tiny sizes: checks that everything runs")
     parser.add_argument("--rounds", type=int, default=None,
                         help="real runs per cell, each on a fresh server (default: 3; --quick: 2)")
+    parser.add_argument("--num-prompts", type=int, default=None, metavar="N",
+                        help="requests per judged run and per calibration run, and the Azure trace's first N "
+                             f"(default: {FULL.num_prompts} per run, {FULL.num_calibration_prompts} per calibration "
+                             "run; fewer for a host too slow to serve them in time: P99s rest on fewer requests)")
     parser.add_argument("--no-azure", action="store_true", help="no Azure trace cells (random and images only)")
     parser.add_argument("--busy-neighbours", action="store_true",
                         help="profile each role next to a busy worker on the other core (epdserve profile flag)")
@@ -1002,11 +1025,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if ns.recalibrate or ns.first_windows is not None:
         parser.error("--recalibrate and --first-windows go with --rejudge")
-    scale = QUICK if ns.quick else FULL
-    if ns.rounds is not None:
-        if ns.rounds < 1:
-            parser.error("--rounds must be at least 1")
-        scale = replace(scale, rounds=ns.rounds)
+    try:
+        scale = choose_scale(ns.quick, ns.rounds, ns.num_prompts)
+    except ValueError as e:
+        parser.error(str(e))
     for flag, value in (("--slo-ttft-ms", ns.slo_ttft_ms), ("--slo-tpot-ms", ns.slo_tpot_ms)):
         if value is not None and value <= 0:
             parser.error(f"{flag} must be positive")

@@ -102,3 +102,27 @@ def test_rejudge_replays_the_stored_runs_in_the_simulator_as_it_is_now(tmp_path)
     assert out["cells"][0]["sim"]["ttft_p50_ms"]["sim"] == pytest.approx(1.5 * 42.0, rel=1e-2)
     with pytest.raises(SystemExit, match="has 1 calibration runs"):
         sim_fidelity.rejudge(tmp_path, redo_calibration=True, first_windows=[1])
+
+
+def test_num_prompts_sets_every_runs_request_count_and_bad_values_are_refused():
+    scale = sim_fidelity.choose_scale(False, None, 50)
+    assert (scale.num_prompts, scale.num_calibration_prompts, scale.azure_num_prompts) == (50, 50, 50)
+    assert scale.rounds == sim_fidelity.FULL.rounds and scale.input_len == sim_fidelity.FULL.input_len
+    assert sim_fidelity.choose_scale(True, 3, None) == sim_fidelity.replace(sim_fidelity.QUICK, rounds=3)
+    assert sim_fidelity.choose_scale(False, None, None) is sim_fidelity.FULL
+    for rounds, num_prompts, message in ((0, None, "--rounds"), (None, 1, "--num-prompts")):
+        with pytest.raises(ValueError, match=message):
+            sim_fidelity.choose_scale(False, rounds, num_prompts)
+    with pytest.raises(SystemExit):  # the parser's error: exit 2 before anything runs
+        sim_fidelity.main(["--num-prompts", "0", "--out", "/nonexistent/never"])
+
+
+def test_farthest_term_names_a_kind_with_enough_steps():
+    def r(x, n):
+        return {"served_over_predicted": x, "num_steps": n}
+
+    ratios = {"decode": {"prefill": r(5.0, 7), "decode": r(1.02, 929)}, "prefill": {"prefill": r(1.045, 62)}}
+    assert sim_fidelity.farthest_term(ratios) == "prefill prefill steps × 1.045"
+    few = {"decode": {"prefill": r(5.0, 7), "decode": r(1.2, 9)}}
+    assert sim_fidelity.farthest_term(few) == "decode prefill steps × 5.000"
+    assert sim_fidelity.farthest_term({}) == "no traced steps"
