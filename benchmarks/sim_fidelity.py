@@ -820,12 +820,18 @@ def describe_slos(slos: dict[str, dict]) -> str:
 
 
 def format_factors(factors: dict[str, dict]) -> list[str]:
-    """One bullet per topology: each role's calibrated factors."""
-    return [f"- {topology}: " + "; ".join(
-        f"{role}: " + ", ".join(f"{term} × {cal['alone'][term]:.3f} (+{cal['busy'][term]:.3f} next to a busy worker)"
-                                for term in cal["alone"])
-        + f" ({cal['num_steps']} steps; served / predicted overall {cal['factor']:.3f})"
-        for role, cal in roles.items()) for topology, roles in factors.items()]
+    """One bullet per topology: each role's calibrated factors (the encoder's one factor too)."""
+    lines = []
+    for topology, calibration in factors.items():
+        parts = [f"{role}: " + ", ".join(f"{term} × {cal['alone'][term]:.3f} (+{cal['busy'][term]:.3f} next to a busy "
+                                         f"worker)" for term in cal["alone"])
+                 + f" ({cal['num_steps']} steps; served / predicted overall {cal['factor']:.3f})"
+                 for role, cal in calibration.get("roles", {}).items()]
+        enc = calibration.get("encode")
+        if enc is not None:
+            parts.append(f"encode: × {enc['factor']:.3f} ({enc['num_batches']} batches, their time alone)")
+        lines.append(f"- {topology}: " + "; ".join(parts))
+    return lines
 
 
 def calibration_factors(cells: list[dict], key: str) -> dict[str, dict]:
@@ -834,9 +840,8 @@ def calibration_factors(cells: list[dict], key: str) -> dict[str, dict]:
     for c in cells:
         path = c.get("profiles", {}).get(key)
         if c["topology"] not in out and path:
-            raw = json.loads(Path(path).read_text())
-            out[c["topology"]] = raw.get("calibration", {}).get("roles", {})
-    return {t: f for t, f in out.items() if f}
+            out[c["topology"]] = json.loads(Path(path).read_text()).get("calibration", {})
+    return {t: f for t, f in out.items() if f.get("roles")}
 
 
 def judge_runs(states: dict[str, TopologyState], loads: dict[str, list[Workload]], profile: Path, scale: Scale,

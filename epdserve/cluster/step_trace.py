@@ -1,5 +1,5 @@
 """A serving worker's step trace: one JSON line per engine step that ran the model (an encode
-worker: per encoder batch).
+worker: per encoder batch, with its images and the tiles it computed).
 
 ``epdserve serve --step-trace-dir DIR`` makes each worker write ``DIR/<worker id>.jsonl``; the
 first line names the worker (id, role, threads), every later line is one step: when it began,
@@ -60,14 +60,18 @@ class StepTrace:
         self._file.write(json.dumps(record) + "\n")
 
     @contextlib.contextmanager
-    def batch(self, num_images: int) -> Iterator[None]:
+    def batch(self, num_images: int) -> Iterator[dict]:
         """Around one encoder batch (the encode worker has no engine step): recorded with its
-        images and no step shape, so ``epdserve calibrate`` counts it as a neighbour's busy time
-        and fits no cost to it."""
+        images and the tiles it computed (the caller sets ``num_tiles`` in the dict it is given,
+        once it knows: cache hits compute none), so ``epdserve calibrate`` counts it as a
+        neighbour's busy time and scales the encoder's cost to it."""
         start, cpu_start = time.monotonic(), time.process_time()
-        yield
+        extra: dict = {}
+        yield extra
         record = {"t": round(start, 6), "wall_s": round(time.monotonic() - start, 6),
                   "cpu_s": round(time.process_time() - cpu_start, 6), "num_images": num_images}
+        if "num_tiles" in extra:
+            record["num_tiles"] = int(extra["num_tiles"])
         self._file.write(json.dumps(record) + "\n")
 
     def close(self) -> None:

@@ -69,6 +69,7 @@ class EncodeResult:
     start: float  # seconds since the epoch
     end: float
     error: str = ""
+    num_tiles: int = 0  # tiles the encoder computed for it (0: a cache hit or a failure)
 
 
 class EncoderRunner:
@@ -123,6 +124,6 @@ class EncoderRunner:
                 self._encode_misses(jobs, [image], [i], results, start)
             return
         end = time.time()
-        for i, rows in zip(miss_indices, outputs):
+        for i, image, rows in zip(miss_indices, pixels, outputs):
             self.cache.put(jobs[i].content_hash, rows)
-            results[i] = EncodeResult(rows, False, start, end)
+            results[i] = EncodeResult(rows, False, start, end, num_tiles=int(image.shape[0]))

@@ -5,8 +5,8 @@ longer: workers that share a host share its memory bandwidth and last-level cach
 router, the HTTP server and the clients take CPU time from the workers' cores. A short serving
 run with ``epdserve serve --step-trace-dir DIR`` records every model step each worker ran
 (``cluster/step_trace.py``; an encode worker records its batches, which count as a neighbour's
-busy time and are fitted no cost); for each role this module predicts every traced step from the
-profile, split into the cost model's term groups (base, prefill terms, decode terms), and fits
+busy time, and the encoder's cost is scaled by one factor to their time alone where the traces
+count their tiles); for each role this module predicts every traced step from the profile, split into the cost model's term groups (base, prefill terms, decode terms), and fits
 per group a factor for a step alone and an extra for a step during which the host's other traced
 workers are mid-step: a step of one sequence that streams the model's weights slows far more
 next to another such step than a prefill does. Then, per batch size with at least MIN_KNOT_STEPS
@@ -80,6 +80,23 @@ class RoleCalibration:
 
 
 @dataclass(frozen=True)
+class EncoderCalibration:
+    num_batches: int  # traced batches that computed tiles
+    served_s: float  # their time alone on a core (time-sharing taken out)
+    predicted_s: float  # what the profile predicts for their tiles
+    cpu_share: float | None = None  # the encoder's CPU time / its batches' wall time (one thread)
+
+    @property
+    def factor(self) -> float:
+        return self.served_s / self.predicted_s
+
+    def to_dict(self) -> dict:
+        return {"factor": round(self.factor, 4), "num_batches": self.num_batches, "served_s": round(self.served_s, 3),
+                "predicted_s": round(self.predicted_s, 3),
+                "cpu_share": None if self.cpu_share is None else round(self.cpu_share, 4)}
+
+
+@dataclass(frozen=True)
 class WorkerTrace:
     worker_id: str
     role: str
@@ -89,6 +106,7 @@ class WorkerTrace:
     cpus: np.ndarray | None = None  # the worker's CPU time per step (s); None in traces without it
     num_threads: int = 1
     cores: frozenset[int] | None = None  # the cores it ran on (None: traces without them)
+    tiles: np.ndarray | None = None  # an encoder's tiles computed per batch (None: traces without them)
 
     def shares_cores_with(self, other: WorkerTrace) -> bool:
         return self.cores is not None and other.cores is not None and bool(self.cores & other.cores)
@@ -112,6 +130,8 @@ def read_step_trace(path: Path) -> WorkerTrace:
             np.array([float(d["cpu_s"]) for d in records]) if all("cpu_s" in d for d in records) else None,
             int(header.get("num_threads", 1)),
             frozenset(int(c) for c in header["cores"]) if "cores" in header else None,
+            np.array([int(d["num_tiles"]) for d in records])
+            if records and all("num_tiles" in d for d in records) else None,
         )
     except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as e:
         raise ConfigError(f"{path}: not a step trace ({e})") from None
@@ -218,7 +238,9 @@ def calibrate(cost: CostModel, trace_dir: Path, since: float | None = None,
     they all are (the neighbour step, applied by the share of the host's other instances that
     are mid-step). ``since``: only steps that began at or after this time (the traces' clock,
     ``time.monotonic``), e.g. to leave out a warm-up; ``windows``: only steps that began in one
-    of these [start, end) spans (e.g. calibration runs between other work), both: in both."""
+    of these [start, end) spans (e.g. calibration runs between other work), both: in both.
+    An encoder's batches that counted their tiles scale the profile's encoder cost by one factor
+    (``calibrate_encoder``; the record's ``encode``)."""
     for start, end in windows or ():
         if not start < end:
             raise ConfigError(f"a calibration window must end after it starts, got {start:g}:{end:g}")
@@ -235,14 +257,21 @@ def calibrate(cost: CostModel, trace_dir: Path, since: float | None = None,
         raise ConfigError(f"{trace_dir} holds encoder batches only: no {', '.join(STEP_ROLES)} steps to calibrate")
     by_role: dict[str, list[tuple[np.ndarray, ...]]] = {}
     cpu: dict[str, list[tuple[float, float]]] = {}  # one-thread workers: (CPU s, served s)
+    encoder: list[tuple[np.ndarray, np.ndarray, np.ndarray, float | None]] = []  # (alone, tiles, walls, CPU s)
     for trace in traces:
-        if trace.role == "encode":  # an encoder's batches are its neighbours' busy time; no step cost fitted
-            continue
         # Overlaps are measured against every traced step, the role's fit only on the steps kept
         # (``since``, ``windows``).
         keep = np.ones(len(trace.walls), dtype=bool) if since is None else trace.starts >= since
         if windows:
             keep &= np.any([(trace.starts >= a) & (trace.starts < b) for a, b in windows], axis=0)
+        if trace.role == "encode":  # its batches are its neighbours' busy time, and its own cost's samples
+            if trace.tiles is not None:
+                keep &= trace.tiles > 0  # all cache hits: nothing computed
+                sharing, _ = neighbour_split(trace, traces)
+                encoder.append((trace.walls[keep] / sharing[keep], trace.tiles[keep], trace.walls[keep],
+                                float(trace.cpus[keep].sum()) if trace.cpus is not None and trace.num_threads == 1
+                                else None))
+            continue
         if trace.cpus is not None and trace.num_threads == 1:
             cpu.setdefault(trace.role, []).append((float(trace.cpus[keep].sum()), float(trace.walls[keep].sum())))
         shapes = [s for s, k in zip(trace.shapes, keep) if k]
@@ -277,7 +306,27 @@ def calibrate(cost: CostModel, trace_dir: Path, since: float | None = None,
     raw = dict(cost.raw)
     raw["calibration"] = {"step_trace_dir": str(trace_dir), "since": since, "windows": windows,
                           "roles": {r: c.to_dict() for r, c in result.items()}}
-    return replace(cost, roles=roles, raw=raw), result
+    encode = cost.encode
+    enc = calibrate_encoder(cost, encoder)
+    if enc is not None:
+        encode = replace(encode, base_s=encode.base_s * enc.factor, per_tile_s=encode.per_tile_s * enc.factor)
+        raw["calibration"]["encode"] = enc.to_dict()
+    return replace(cost, roles=roles, encode=encode, raw=raw), result
+
+
+def calibrate_encoder(cost: CostModel, batches: list[tuple[np.ndarray, ...]]) -> EncoderCalibration | None:
+    """One factor for the profile's encoder cost: its traced batches' time alone over what the
+    profile predicts for their tiles. None without an encoder in the profile or with fewer than
+    MIN_STEPS batches that counted their tiles."""
+    if cost.encode is None or not batches:
+        return None
+    alone, tiles, walls = (np.concatenate([b[i] for b in batches]) for i in range(3))
+    if len(alone) < MIN_STEPS:
+        return None
+    predicted = cost.encode.base_s + cost.encode.per_tile_s * tiles
+    cpus = [b[3] for b in batches]
+    cpu_share = sum(cpus) / max(float(walls.sum()), 1e-9) if all(c is not None for c in cpus) else None
+    return EncoderCalibration(len(alone), float(alone.sum()), float(predicted.sum()), cpu_share)
 
 
 def add_calibrate_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -321,5 +370,10 @@ def run_calibrate_command(ns: argparse.Namespace) -> int:
         print(f"{role:10s} {cal.num_steps:6d} steps  served {cal.served_s:8.2f} s  "
               f"profile predicts {cal.predicted_s:8.2f} s  factor {cal.factor:.3f}  ({terms}"
               + ("" if cal.cpu_share is None else f"; on CPU {100 * cal.cpu_share:.0f} % of it") + ")")
+    enc = calibrated.raw["calibration"].get("encode")
+    if enc is not None:
+        print(f"{'encode':10s} {enc['num_batches']:6d} batches  alone {enc['served_s']:8.2f} s  "
+              f"profile predicts {enc['predicted_s']:8.2f} s  factor {enc['factor']:.3f}"
+              + ("" if enc["cpu_share"] is None else f"  (on CPU {100 * enc['cpu_share']:.0f} % of its wall time)"))
     print(f"wrote {ns.out}")
     return 0

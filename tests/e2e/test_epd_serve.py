@@ -119,11 +119,13 @@ def test_repeated_image_hits_the_encoder_cache_and_slab_space_returns(e_colocate
     metrics = httpx.get(f"{e_colocated.url}/metrics").text
     assert "epdserve_encoder_cache_hits_total 2.0" in metrics or "epdserve_encoder_cache_hits_total" in metrics
     wait_slabs_free(e_colocated)
-    # --step-trace-dir: the encode worker records its batches (for calibrate, a neighbour's busy time).
+    # --step-trace-dir: the encode worker records its batches (for calibrate, a neighbour's busy
+    # time and the encoder cost's samples) with the tiles each computed: none for cache hits.
     lines = (e_colocated.step_trace_dir / f"{encoder['id']}.jsonl").read_text().splitlines()
     assert json.loads(lines[0])["role"] == "encode"
     batches = [json.loads(line) for line in lines[1:]]
     assert batches and all(b["wall_s"] > 0 and b["num_images"] >= 1 for b in batches)
+    assert any(b["num_tiles"] >= 1 for b in batches) and batches[-1]["num_tiles"] == 0
 
 
 def _png_claiming_size(width: int, height: int) -> bytes:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 from sim_profiles import profile_dict
 
@@ -266,3 +267,61 @@ def test_colocated_prefill_and_decode_terms_scaled_apart(tmp_path):
     assert result["colocated"].busy == (0.0, 0.0, 0.0)
     for shape, wall in rows:
         assert calibrated.role("colocated").step.time_s(shape) == pytest.approx(wall, rel=1e-2)
+
+
+def write_encoder_trace(directory, batches, cores=None, worker_id="encode-0"):
+    """An encode worker's trace: (start, wall, tiles) per batch, one image each."""
+    header = {"worker_id": worker_id, "role": "encode", "num_threads": 1, **({"cores": cores} if cores else {})}
+    lines = [json.dumps(header), *(json.dumps({"t": t, "wall_s": w, "cpu_s": w, "num_images": 1, "num_tiles": n})
+                                   for t, w, n in batches)]
+    (directory / f"{worker_id}.jsonl").write_text("\n".join(lines) + "\n")
+
+
+def test_encoder_cost_scaled_to_its_batches_time_alone(tmp_path):
+    """Batches that counted their tiles scale the profile's encoder cost by one factor, their
+    time alone over the profile's prediction; cache hits (no tiles) are left out; on the decode
+    worker's core the time-sharing is taken out first."""
+    cost = CostModel.from_dict(profile_dict())
+    enc = cost.encoder()
+    shape = StepShape(0, 0, 4, 1200)
+    write_trace(tmp_path, "decode-0", "decode", [(shape, cost.role("decode").step.time_s(shape))] * 12, t0=1000.0)
+    batches = [(10.0 * i, 0.8 * enc.time_s(1 + i % 3), 1 + i % 3) for i in range(MIN_STEPS)]
+    write_encoder_trace(tmp_path, batches + [(10.0 * MIN_STEPS, 0.001, 0)])  # a cache hit: 1 ms, no tiles
+    calibrated, result = calibrate(cost, tmp_path)
+    assert set(result) == {"decode"}
+    for tiles in (1, 2, 8):
+        assert calibrated.encoder().time_s(tiles) == pytest.approx(0.8 * enc.time_s(tiles))
+    record = calibrated.raw["calibration"]["encode"]
+    assert record["num_batches"] == MIN_STEPS and record["factor"] == pytest.approx(0.8)
+    # Written and read back as any profile.
+    path = tmp_path / "calibrated.json"
+    calibrated.save(path)
+    assert CostModel.load(path).encoder().per_tile_s == pytest.approx(0.8 * enc.per_tile_s)
+    # On core 0 with the decode worker, every batch running beside a decode step throughout:
+    # twice its time alone on the wall, the same factor once the sharing is taken out.
+    step = cost.role("decode").step.time_s(shape)
+    batches = [(i * 2.0, 2 * 0.8 * enc.time_s(1), 1) for i in range(MIN_STEPS)]
+    decode_steps = []
+    for t, wall, _ in batches:  # decode steps back to back over each batch, none between
+        n = int(np.ceil(wall / step)) + 1
+        decode_steps.append([(t - step / 2 + k * step, step) for k in range(n)])
+    (tmp_path / "decode-0.jsonl").write_text("\n".join(
+        [json.dumps({"worker_id": "decode-0", "role": "decode", "num_threads": 1, "cores": [0]}),
+         *(json.dumps({"t": t, "wall_s": w, **shape.to_dict()}) for run in decode_steps for t, w in run)]) + "\n")
+    write_encoder_trace(tmp_path, batches, cores=[0])
+    calibrated, _ = calibrate(cost, tmp_path)
+    assert calibrated.raw["calibration"]["encode"]["factor"] == pytest.approx(0.8, rel=1e-6)
+
+
+def test_encoder_left_as_profiled_without_tile_counts_or_enough_batches(tmp_path):
+    cost = CostModel.from_dict(profile_dict())
+    shape = StepShape(0, 0, 4, 1200)
+    write_trace(tmp_path, "decode-0", "decode", [(shape, cost.role("decode").step.time_s(shape))] * 12, t0=1000.0)
+    (tmp_path / "encode-0.jsonl").write_text("\n".join(  # an older trace: no tile counts
+        [json.dumps({"worker_id": "encode-0", "role": "encode", "num_threads": 1}),
+         *(json.dumps({"t": 10.0 * i, "wall_s": 0.5, "num_images": 1}) for i in range(MIN_STEPS))]) + "\n")
+    calibrated, _ = calibrate(cost, tmp_path)
+    assert calibrated.encoder() == cost.encoder() and "encode" not in calibrated.raw["calibration"]
+    write_encoder_trace(tmp_path, [(10.0 * i, 0.5, 1) for i in range(MIN_STEPS - 1)])
+    calibrated, _ = calibrate(cost, tmp_path)
+    assert calibrated.encoder() == cost.encoder() and "encode" not in calibrated.raw["calibration"]
