@@ -1,7 +1,7 @@
 """Simulator fidelity: real epdserve, run several times, against ``epdserve simulate`` on the same arrivals.
 
     python benchmarks/sim_fidelity.py [--profile P] [--out out/sim_fidelity] [--quick] [--rounds N]
-        [--topology T ...] [--no-calibrate] [--no-azure] [--slo-ttft-ms MS] [--slo-tpot-ms MS]
+        [--num-prompts N] [--topology T ...] [--no-calibrate] [--no-azure] [--slo-ttft-ms MS] [--slo-tpot-ms MS]
     python benchmarks/sim_fidelity.py --rejudge DIR [--recalibrate [--first-windows I,J]]
 
 Topologies (``--topology``, repeatable; default all three), every worker on this machine with
@@ -24,7 +24,7 @@ worker share core 0).
    highest rate whose simulated SLO attainment is >= 90 % on that workload.
 3. Rounds (``--rounds``, default 3). In each round every topology gets a fresh ``epdserve
    serve`` with step tracing (prefill, decode and colocated workers their steps, an encoder
-   its batches): an unscored warm-up, unscored calibration runs (three in the first round, at 0.4 x,
+   its batches and the tiles each computed): an unscored warm-up, unscored calibration runs (three in the first round, at 0.4 x,
    0.75 x and 1.25 x the offline capacity estimate, then one a round, in turn), then every
    (workload, level) once with the same arrivals and prompts in every round (a fresh server: no
    run finds another's prompts in its prefix cache). Warm-up and calibration runs send random
@@ -36,7 +36,7 @@ worker share core 0).
    the first) the host-drift probe (benchmarks/host_drift.py) times one fixed decode step for
    ``drift_s`` with no server running.
 4. After the first round's calibration runs, ``epdserve calibrate --window`` fits the profile to
-   the steps the workers traced in them (never a level's): the profile a user would have before
+   the steps the workers traced in them (never a level's), the encoder's cost to its batches: the profile a user would have before
    the judged runs; the capacities (and so every round's rates) come from it. After the last
    round, a second calibration on every calibration run of the stretch (the host's speed over
    the same minutes). Each real run's sends are written as a Mooncake trace (send time, prompt
