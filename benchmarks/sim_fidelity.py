@@ -1,7 +1,8 @@
 """Simulator fidelity: real epdserve, run several times, against ``epdserve simulate`` on the same arrivals.
 
     python benchmarks/sim_fidelity.py [--profile P] [--out out/sim_fidelity] [--quick] [--rounds N]
-        [--num-prompts N] [--topology T ...] [--no-calibrate] [--no-azure] [--slo-ttft-ms MS] [--slo-tpot-ms MS]
+        [--num-prompts N] [--topology T ...] [--no-calibrate] [--no-azure]
+        [--slo-ttft-ms MS] [--slo-tpot-ms MS]
     python benchmarks/sim_fidelity.py --rejudge DIR [--recalibrate [--first-windows I,J]]
 
 Topologies (``--topology``, repeatable; default all three), every worker on this machine with
@@ -23,27 +24,27 @@ worker share core 0).
    --images-per-request 1 --image-tiles 1``) at 0.5 / 1 / 1.5 x capacity. Capacity is the
    highest rate whose simulated SLO attainment is >= 90 % on that workload.
 3. Rounds (``--rounds``, default 3). In each round every topology gets a fresh ``epdserve
-   serve`` with step tracing (prefill, decode and colocated workers their steps, an encoder
-   its batches and the tiles each computed): an unscored warm-up, unscored calibration runs (three in the first round, at 0.4 x,
-   0.75 x and 1.25 x the offline capacity estimate, then one a round, in turn), then every
-   (workload, level) once with the same arrivals and prompts in every round (a fresh server: no
-   run finds another's prompts in its prefix cache). Warm-up and calibration runs send random
-   requests, on 1E1P1D with an image each: the encoder's first-use costs are paid before the
-   levels, and the calibration runs trace prefill steps with image tokens and decode steps next
-   to an encoder at work, as the levels have them. Cells of one
+   serve`` with step tracing (prefill, decode and colocated workers their steps, an encoder its
+   batches and the tiles each computed): an unscored warm-up, unscored calibration runs (three
+   in the first round, at 0.4 x, 0.75 x and 1.25 x the offline capacity estimate, then one a
+   round, in turn), then every (workload, level) once with the same arrivals and prompts in
+   every round (a fresh server: no run finds another's prompts in its prefix cache). Warm-up and
+   calibration runs send random requests, on 1E1P1D with an image each: the encoder's first-use
+   costs are paid before the levels, and the calibration runs trace prefill steps with image
+   tokens and decode steps next to an encoder at work, as the levels have them. Cells of one
    topology run one after another; the topologies alternate within a round and the rounds
-   repeat, so each cell's runs are spread over the whole stretch. Between rounds (and before
-   the first) the host-drift probe (benchmarks/host_drift.py) times one fixed decode step for
+   repeat, so each cell's runs are spread over the whole stretch. Between rounds (and before the
+   first) the host-drift probe (benchmarks/host_drift.py) times one fixed decode step for
    ``drift_s`` with no server running.
 4. After the first round's calibration runs, ``epdserve calibrate --window`` fits the profile to
-   the steps the workers traced in them (never a level's), the encoder's cost to its batches: the profile a user would have before
-   the judged runs; the capacities (and so every round's rates) come from it. After the last
-   round, a second calibration on every calibration run of the stretch (the host's speed over
-   the same minutes). Each real run's sends are written as a Mooncake trace (send time, prompt
-   tokens as the server counted them less the image tokens the simulator adds itself, output
-   tokens) and replayed by ``epdserve simulate`` (with the workload's images) on the first-round
-   profile, on the stretch profile and on the offline profile; every worker of a topology
-   shares one simulated host (``--instances-per-host``).
+   the steps the workers traced in them (never a level's), the encoder's cost to its batches:
+   the profile a user would have before the judged runs; the capacities (and so every round's
+   rates) come from it. After the last round, a second calibration on every calibration run of
+   the stretch (the host's speed over the same minutes). Each real run's sends are written as a
+   Mooncake trace (send time, prompt tokens as the server counted them less the image tokens the
+   simulator adds itself, output tokens) and replayed by ``epdserve simulate`` (with the
+   workload's images) on the first-round profile, on the stretch profile and on the offline
+   profile; every worker of a topology shares one simulated host (``--instances-per-host``).
 5. Per cell (topology, workload, level) and metric (TTFT P50/P99, TPOT P50/P99, goodput): the
    real runs' mean, lowest and highest; the simulated value (mean over the runs' replays); whether
    it lies inside the real band [lowest, highest] widened by 5 % of the real mean on each side;
@@ -129,7 +130,8 @@ IDLE_WINDOW_S = 3.0
 # 0.5x level sits near 0.4x the offline estimate), each with its seed.
 CALIBRATION_LOADS = (0.4, 0.75, 1.25)
 CALIBRATION_SEED = 500
-ATTRIBUTION_MIN_STEPS = 30  # a step kind with fewer traced steps in a cell names its miss only if every kind has fewer
+# A step kind with fewer traced steps in a cell names its miss only if every kind has fewer.
+ATTRIBUTION_MIN_STEPS = 30
 CAPACITY_RATES = tuple(round(0.25 * 1.25**k, 3) for k in range(20))  # 0.25 .. ~17 requests/s
 AZURE_TRACE = "azure_conv.csv"
 HOST_DRIFT = Path(__file__).with_name("host_drift.py")
@@ -823,8 +825,9 @@ def format_factors(factors: dict[str, dict]) -> list[str]:
     """One bullet per topology: each role's calibrated factors (the encoder's one factor too)."""
     lines = []
     for topology, calibration in factors.items():
-        parts = [f"{role}: " + ", ".join(f"{term} × {cal['alone'][term]:.3f} (+{cal['busy'][term]:.3f} next to a busy "
-                                         f"worker)" for term in cal["alone"])
+        parts = [f"{role}: " + ", ".join(f"{term} × {cal['alone'][term]:.3f} "
+                                         f"(+{cal['busy'][term]:.3f} next to a busy worker)"
+                                         for term in cal["alone"])
                  + f" ({cal['num_steps']} steps; served / predicted overall {cal['factor']:.3f})"
                  for role, cal in calibration.get("roles", {}).items()]
         enc = calibration.get("encode")
@@ -1000,8 +1003,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="real runs per cell, each on a fresh server (default: 3; --quick: 2)")
     parser.add_argument("--num-prompts", type=int, default=None, metavar="N",
                         help="requests per judged run and per calibration run, and the Azure trace's first N "
-                             f"(default: {FULL.num_prompts} per run, {FULL.num_calibration_prompts} per calibration "
-                             "run; fewer for a host too slow to serve them in time: P99s rest on fewer requests)")
+                             f"(default: {FULL.num_prompts} per run, {FULL.num_calibration_prompts} per "
+                             "calibration run; fewer for a host too slow to serve them in time: P99s rest on "
+                             "fewer requests)")
     parser.add_argument("--no-azure", action="store_true", help="no Azure trace cells (random and images only)")
     parser.add_argument("--busy-neighbours", action="store_true",
                         help="profile each role next to a busy worker on the other core (epdserve profile flag)")

@@ -154,7 +154,8 @@ class EncodeWorker(WorkerBase):
         batch = [self.queue.popleft() for _ in range(min(self.opts.max_batch_images, len(self.queue)))]
         self._num_busy = len(batch)
         try:
-            with self._step_trace.batch(len(batch)) if self._step_trace else contextlib.nullcontext({}) as traced:
+            trace = self._step_trace
+            with trace.batch(len(batch)) if trace else contextlib.nullcontext({}) as traced:
                 results = self.runner.run([EncodeJob(job.content_hash, job.data) for job in batch])
                 traced["num_tiles"] = sum(r.num_tiles for r in results)
         except Exception as e:  # past the runner's own per-image isolation: the batch fails

@@ -6,16 +6,17 @@ router, the HTTP server and the clients take CPU time from the workers' cores. A
 run with ``epdserve serve --step-trace-dir DIR`` records every model step each worker ran
 (``cluster/step_trace.py``; an encode worker records its batches, which count as a neighbour's
 busy time, and the encoder's cost is scaled by one factor to their time alone where the traces
-count their tiles); for each role this module predicts every traced step from the profile, split into the cost model's term groups (base, prefill terms, decode terms), and fits
-per group a factor for a step alone and an extra for a step during which the host's other traced
-workers are mid-step: a step of one sequence that streams the model's weights slows far more
-next to another such step than a prefill does. Then, per batch size with at least MIN_KNOT_STEPS
-decode-only steps, their served time over that fit becomes a knot of the step cost's
-``decode_factors``: a CPU's matmul kernels are not linear in their row count (on an AVX-512 Xeon
-in float32, 12 rows took longer than 16), which no linear term follows. The result is a profile
-like any other (``simulate`` and ``plan`` read it): the scaled step cost, a ``neighbour_step``
-cost that the simulator adds by the share of an instance's neighbours that are mid-step, and a
-``calibration`` record of the factors and what they were measured on.
+count their tiles); for each role this module predicts every traced step from the profile, split
+into the cost model's term groups (base, prefill terms, decode terms), and fits per group a
+factor for a step alone and an extra for a step during which the host's other traced workers are
+mid-step: a step of one sequence that streams the model's weights slows far more next to another
+such step than a prefill does. Then, per batch size with at least MIN_KNOT_STEPS decode-only
+steps, their served time over that fit becomes a knot of the step cost's ``decode_factors``: a
+CPU's matmul kernels are not linear in their row count (on an AVX-512 Xeon in float32, 12 rows
+took longer than 16), which no linear term follows. The result is a profile like any other
+(``simulate`` and ``plan`` read it): the scaled step cost, a ``neighbour_step`` cost that the
+simulator adds by the share of an instance's neighbours that are mid-step, and a ``calibration``
+record of the factors and what they were measured on.
 
 Workers pinned to the same core time-share it (serve wraps around when a host has fewer cores
 than workers, e.g. an encoder beside a decode worker on two cores). The kernel shares a core
@@ -91,8 +92,8 @@ class EncoderCalibration:
         return self.served_s / self.predicted_s
 
     def to_dict(self) -> dict:
-        return {"factor": round(self.factor, 4), "num_batches": self.num_batches, "served_s": round(self.served_s, 3),
-                "predicted_s": round(self.predicted_s, 3),
+        return {"factor": round(self.factor, 4), "num_batches": self.num_batches,
+                "served_s": round(self.served_s, 3), "predicted_s": round(self.predicted_s, 3),
                 "cpu_share": None if self.cpu_share is None else round(self.cpu_share, 4)}
 
 
@@ -257,7 +258,8 @@ def calibrate(cost: CostModel, trace_dir: Path, since: float | None = None,
         raise ConfigError(f"{trace_dir} holds encoder batches only: no {', '.join(STEP_ROLES)} steps to calibrate")
     by_role: dict[str, list[tuple[np.ndarray, ...]]] = {}
     cpu: dict[str, list[tuple[float, float]]] = {}  # one-thread workers: (CPU s, served s)
-    encoder: list[tuple[np.ndarray, np.ndarray, np.ndarray, float | None]] = []  # (alone, tiles, walls, CPU s)
+    # An encoder's batches kept: (time alone, tiles, walls, CPU s or None).
+    encoder: list[tuple[np.ndarray, np.ndarray, np.ndarray, float | None]] = []
     for trace in traces:
         # Overlaps are measured against every traced step, the role's fit only on the steps kept
         # (``since``, ``windows``).
@@ -268,9 +270,9 @@ def calibrate(cost: CostModel, trace_dir: Path, since: float | None = None,
             if trace.tiles is not None:
                 keep &= trace.tiles > 0  # all cache hits: nothing computed
                 sharing, _ = neighbour_split(trace, traces)
+                one_thread_cpu = trace.cpus is not None and trace.num_threads == 1
                 encoder.append((trace.walls[keep] / sharing[keep], trace.tiles[keep], trace.walls[keep],
-                                float(trace.cpus[keep].sum()) if trace.cpus is not None and trace.num_threads == 1
-                                else None))
+                                float(trace.cpus[keep].sum()) if one_thread_cpu else None))
             continue
         if trace.cpus is not None and trace.num_threads == 1:
             cpu.setdefault(trace.role, []).append((float(trace.cpus[keep].sum()), float(trace.walls[keep].sum())))
@@ -374,6 +376,7 @@ def run_calibrate_command(ns: argparse.Namespace) -> int:
     if enc is not None:
         print(f"{'encode':10s} {enc['num_batches']:6d} batches  alone {enc['served_s']:8.2f} s  "
               f"profile predicts {enc['predicted_s']:8.2f} s  factor {enc['factor']:.3f}"
-              + ("" if enc["cpu_share"] is None else f"  (on CPU {100 * enc['cpu_share']:.0f} % of its wall time)"))
+              + ("" if enc["cpu_share"] is None
+                 else f"  (on CPU {100 * enc['cpu_share']:.0f} % of its wall time)"))
     print(f"wrote {ns.out}")
     return 0
