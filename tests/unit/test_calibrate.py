@@ -325,3 +325,17 @@ def test_encoder_left_as_profiled_without_tile_counts_or_enough_batches(tmp_path
     write_encoder_trace(tmp_path, [(10.0 * i, 0.5, 1) for i in range(MIN_STEPS - 1)])
     calibrated, _ = calibrate(cost, tmp_path)
     assert calibrated.encoder() == cost.encoder() and "encode" not in calibrated.raw["calibration"]
+
+
+def test_cli_prints_the_encoders_factor(tmp_path, capsys):
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps(profile_dict()))
+    enc = CostModel.from_dict(profile_dict()).encoder()
+    traces = tmp_path / "steps"
+    write_trace(traces, "colocated-0", "colocated", [(StepShape(0, 0, 2, 200), 0.05)] * MIN_STEPS, t0=1000.0)
+    write_encoder_trace(traces, [(10.0 * i, 1.25 * enc.time_s(2), 2) for i in range(MIN_STEPS)])
+    out = tmp_path / "calibrated.json"
+    assert main(["calibrate", "--profile", str(profile), "--step-trace-dir", str(traces), "--out", str(out)]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("encode"))
+    assert f"{MIN_STEPS} batches" in line and "factor 1.250" in line
+    assert CostModel.load(out).encoder().time_s(2) == pytest.approx(1.25 * enc.time_s(2))
