@@ -258,8 +258,7 @@ def calibrate(cost: CostModel, trace_dir: Path, since: float | None = None,
         raise ConfigError(f"{trace_dir} holds encoder batches only: no {', '.join(STEP_ROLES)} steps to calibrate")
     by_role: dict[str, list[tuple[np.ndarray, ...]]] = {}
     cpu: dict[str, list[tuple[float, float]]] = {}  # one-thread workers: (CPU s, served s)
-    # An encoder's batches kept: (time alone, tiles, walls, CPU s or None).
-    encoder: list[tuple[np.ndarray, np.ndarray, np.ndarray, float | None]] = []
+    encoder: list[tuple[np.ndarray, np.ndarray]] = []  # an encoder's batches kept: (time alone, tiles)
     for trace in traces:
         # Overlaps are measured against every traced step, the role's fit only on the steps kept
         # (``since``, ``windows``).
@@ -267,15 +266,15 @@ def calibrate(cost: CostModel, trace_dir: Path, since: float | None = None,
         if windows:
             keep &= np.any([(trace.starts >= a) & (trace.starts < b) for a, b in windows], axis=0)
         if trace.role == "encode":  # its batches are its neighbours' busy time, and its own cost's samples
-            if trace.tiles is not None:
-                keep &= trace.tiles > 0  # all cache hits: nothing computed
-                sharing, _ = neighbour_split(trace, traces)
-                one_thread_cpu = trace.cpus is not None and trace.num_threads == 1
-                encoder.append((trace.walls[keep] / sharing[keep], trace.tiles[keep], trace.walls[keep],
-                                float(trace.cpus[keep].sum()) if one_thread_cpu else None))
-            continue
+            if trace.tiles is None:
+                continue
+            keep &= trace.tiles > 0  # all cache hits: nothing computed
         if trace.cpus is not None and trace.num_threads == 1:
             cpu.setdefault(trace.role, []).append((float(trace.cpus[keep].sum()), float(trace.walls[keep].sum())))
+        if trace.role == "encode":
+            sharing, _ = neighbour_split(trace, traces)
+            encoder.append((trace.walls[keep] / sharing[keep], trace.tiles[keep]))
+            continue
         shapes = [s for s, k in zip(trace.shapes, keep) if k]
         parts = step_parts(cost.role(trace.role).step.with_decode_factors(()), shapes)
         sharing, overlap = neighbour_split(trace, traces)
@@ -294,7 +293,7 @@ def calibrate(cost: CostModel, trace_dir: Path, since: float | None = None,
                               + f"; calibrate needs at least {MIN_STEPS}")
         alone, busy = fit_terms(walls, parts, overlap)
         fitted = parts @ alone + (parts * overlap[:, None]) @ busy
-        cpu_share = sum(c for c, _ in cpu[role]) / max(sum(w for _, w in cpu[role]), 1e-9) if role in cpu else None
+        cpu_share = share_on_cpu(cpu.get(role))
         result[role] = RoleCalibration(role, len(walls), float(walls.sum()), float(parts.sum()),
                                        tuple(float(a) for a in alone), tuple(float(b) for b in busy), cpu_share,
                                        decode_knots(walls, fitted, decode_only))
@@ -309,26 +308,33 @@ def calibrate(cost: CostModel, trace_dir: Path, since: float | None = None,
     raw["calibration"] = {"step_trace_dir": str(trace_dir), "since": since, "windows": windows,
                           "roles": {r: c.to_dict() for r, c in result.items()}}
     encode = cost.encode
-    enc = calibrate_encoder(cost, encoder)
+    enc = calibrate_encoder(cost, encoder, share_on_cpu(cpu.get("encode")))
     if enc is not None:
         encode = replace(encode, base_s=encode.base_s * enc.factor, per_tile_s=encode.per_tile_s * enc.factor)
         raw["calibration"]["encode"] = enc.to_dict()
     return replace(cost, roles=roles, encode=encode, raw=raw), result
 
 
-def calibrate_encoder(cost: CostModel, batches: list[tuple[np.ndarray, ...]]) -> EncoderCalibration | None:
+def share_on_cpu(sums: list[tuple[float, float]] | None) -> float | None:
+    """One-thread workers' CPU time over their served time, from (CPU s, served s) per trace."""
+    if not sums:
+        return None
+    return sum(c for c, _ in sums) / max(sum(w for _, w in sums), 1e-9)
+
+
+def calibrate_encoder(cost: CostModel, batches: list[tuple[np.ndarray, np.ndarray]],
+                      cpu_share: float | None) -> EncoderCalibration | None:
     """One factor for the profile's encoder cost: its traced batches' time alone over what the
-    profile predicts for their tiles. None without an encoder in the profile or with fewer than
-    MIN_STEPS batches that counted their tiles."""
+    profile predicts for their tiles (``batches``: time alone and tiles per batch, per trace).
+    None without an encoder in the profile or with fewer than MIN_STEPS batches that counted
+    their tiles."""
     if cost.encode is None or not batches:
         return None
-    alone, tiles, walls = (np.concatenate([b[i] for b in batches]) for i in range(3))
+    alone, tiles = (np.concatenate([b[i] for b in batches]) for i in range(2))
     if len(alone) < MIN_STEPS:
         return None
-    predicted = cost.encode.base_s + cost.encode.per_tile_s * tiles
-    cpus = [b[3] for b in batches]
-    cpu_share = sum(cpus) / max(float(walls.sum()), 1e-9) if all(c is not None for c in cpus) else None
-    return EncoderCalibration(len(alone), float(alone.sum()), float(predicted.sum()), cpu_share)
+    predicted = sum(cost.encode.time_s(int(n)) for n in tiles)
+    return EncoderCalibration(len(alone), float(alone.sum()), float(predicted), cpu_share)
 
 
 def add_calibrate_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
