@@ -41,7 +41,7 @@ import numpy as np
 
 from epdserve.engine.step_shape import StepShape
 from epdserve.errors import ConfigError
-from epdserve.sim.cost_model import STEP_ROLES, CostModel, StepCost
+from epdserve.sim.cost_model import STEP_ROLES, CostModel, EncodeCost, StepCost
 from epdserve.sim.nnls import nnls
 
 MIN_STEPS = 10  # a role needs at least this many traced steps to be calibrated
@@ -232,16 +232,20 @@ def decode_knots(walls: np.ndarray, predicted: np.ndarray, num_seqs: np.ndarray)
     return tuple(knots)
 
 
-def calibrate(cost: CostModel, trace_dir: Path, since: float | None = None,
-              windows: list[tuple[float, float]] | None = None) -> tuple[CostModel, dict[str, RoleCalibration]]:
-    """The profile with each traced role's step cost scaled to its steps in service: per term
-    group, a factor for a step while no other traced worker is mid-step, and the extra while
-    they all are (the neighbour step, applied by the share of the host's other instances that
-    are mid-step). ``since``: only steps that began at or after this time (the traces' clock,
-    ``time.monotonic``), e.g. to leave out a warm-up; ``windows``: only steps that began in one
-    of these [start, end) spans (e.g. calibration runs between other work), both: in both.
-    An encoder's batches that counted their tiles scale the profile's encoder cost by one factor
-    (``calibrate_encoder``; the record's ``encode``)."""
+@dataclass(frozen=True)
+class TracedSteps:
+    """The steps ``calibrate`` and ``refresh`` take from a step-trace directory."""
+    # per role, per trace: (time alone on its cores, shapes, neighbours' busy share) of the steps kept
+    steps: dict[str, list[tuple[np.ndarray, list[StepShape], np.ndarray]]]
+    encoder: list[tuple[np.ndarray, np.ndarray]]  # an encoder's batches kept: (time alone, tiles), per trace
+    cpu: dict[str, list[tuple[float, float]]]  # one-thread workers: (CPU s, served s) of the steps kept
+
+
+def read_traced_steps(trace_dir: Path, since: float | None = None,
+                      windows: list[tuple[float, float]] | None = None) -> TracedSteps:
+    """Every worker's trace in ``trace_dir``; of each, the steps that began at or after ``since``
+    and in one of ``windows`` (both optional), with time-sharing of their cores taken out and
+    the busy share of the host's other workers measured against every traced step."""
     for start, end in windows or ():
         if not start < end:
             raise ConfigError(f"a calibration window must end after it starts, got {start:g}:{end:g}")
@@ -256,12 +260,8 @@ def calibrate(cost: CostModel, trace_dir: Path, since: float | None = None,
         traces.append(trace)
     if not any(t.role in STEP_ROLES for t in traces):
         raise ConfigError(f"{trace_dir} holds encoder batches only: no {', '.join(STEP_ROLES)} steps to calibrate")
-    by_role: dict[str, list[tuple[np.ndarray, ...]]] = {}
-    cpu: dict[str, list[tuple[float, float]]] = {}  # one-thread workers: (CPU s, served s)
-    encoder: list[tuple[np.ndarray, np.ndarray]] = []  # an encoder's batches kept: (time alone, tiles)
+    traced = TracedSteps({}, [], {})
     for trace in traces:
-        # Overlaps are measured against every traced step, the role's fit only on the steps kept
-        # (``since``, ``windows``).
         keep = np.ones(len(trace.walls), dtype=bool) if since is None else trace.starts >= since
         if windows:
             keep &= np.any([(trace.starts >= a) & (trace.starts < b) for a, b in windows], axis=0)
@@ -270,30 +270,54 @@ def calibrate(cost: CostModel, trace_dir: Path, since: float | None = None,
                 continue
             keep &= trace.tiles > 0  # all cache hits: nothing computed
         if trace.cpus is not None and trace.num_threads == 1:
-            cpu.setdefault(trace.role, []).append((float(trace.cpus[keep].sum()), float(trace.walls[keep].sum())))
-        if trace.role == "encode":
-            sharing, _ = neighbour_split(trace, traces)
-            encoder.append((trace.walls[keep] / sharing[keep], trace.tiles[keep]))
-            continue
-        shapes = [s for s, k in zip(trace.shapes, keep) if k]
-        parts = step_parts(cost.role(trace.role).step.with_decode_factors(()), shapes)
-        sharing, overlap = neighbour_split(trace, traces)
-        decode_only = np.array([0 if s.num_prefill_tokens else s.num_decode_seqs for s in shapes], dtype=np.int64)
+            traced.cpu.setdefault(trace.role, []).append((float(trace.cpus[keep].sum()),
+                                                          float(trace.walls[keep].sum())))
         # A step's time on a core it had to itself: what the simulator stretches again when it
         # places instances on shared cores (simulate --cores-per-host).
-        by_role.setdefault(trace.role, []).append((trace.walls[keep] / sharing[keep], parts, overlap[keep],
-                                                   decode_only))
+        sharing, overlap = neighbour_split(trace, traces)
+        if trace.role == "encode":
+            traced.encoder.append((trace.walls[keep] / sharing[keep], trace.tiles[keep]))
+            continue
+        shapes = [s for s, k in zip(trace.shapes, keep) if k]
+        alone = trace.walls[keep] / sharing[keep]
+        traced.steps.setdefault(trace.role, []).append((alone, shapes, overlap[keep]))
+    return traced
+
+
+def _too_few(role: str, num_steps: int, trace_dir: Path, since: float | None,
+             windows: list[tuple[float, float]] | None) -> ConfigError:
+    return ConfigError(f"only {num_steps} {role} steps traced in {trace_dir}"
+                       + ("" if since is None else f" since {since:g}")
+                       + ("" if not windows else " in " + ", ".join(f"{a:g}:{b:g}" for a, b in windows))
+                       + f"; calibrate needs at least {MIN_STEPS}")
+
+
+def calibrate(cost: CostModel, trace_dir: Path, since: float | None = None,
+              windows: list[tuple[float, float]] | None = None) -> tuple[CostModel, dict[str, RoleCalibration]]:
+    """The profile with each traced role's step cost scaled to its steps in service: per term
+    group, a factor for a step while no other traced worker is mid-step, and the extra while
+    they all are (the neighbour step, applied by the share of the host's other instances that
+    are mid-step). ``since``: only steps that began at or after this time (the traces' clock,
+    ``time.monotonic``), e.g. to leave out a warm-up; ``windows``: only steps that began in one
+    of these [start, end) spans (e.g. calibration runs between other work), both: in both.
+    An encoder's batches that counted their tiles scale the profile's encoder cost by one factor
+    (``calibrate_encoder``; the record's ``encode``)."""
+    traced = read_traced_steps(trace_dir, since, windows)
+    by_role: dict[str, list[tuple[np.ndarray, ...]]] = {}
+    for role, groups in traced.steps.items():
+        step = cost.role(role).step.with_decode_factors(())
+        for walls, shapes, overlap in groups:
+            decode_only = np.array([0 if s.num_prefill_tokens else s.num_decode_seqs for s in shapes],
+                                   dtype=np.int64)
+            by_role.setdefault(role, []).append((walls, step_parts(step, shapes), overlap, decode_only))
     result = {}
     for role, groups in by_role.items():
         walls, parts, overlap, decode_only = (np.concatenate(g) for g in zip(*groups))
         if len(walls) < MIN_STEPS:
-            raise ConfigError(f"only {len(walls)} {role} steps traced in {trace_dir}"
-                              + ("" if since is None else f" since {since:g}")
-                              + ("" if not windows else " in " + ", ".join(f"{a:g}:{b:g}" for a, b in windows))
-                              + f"; calibrate needs at least {MIN_STEPS}")
+            raise _too_few(role, len(walls), trace_dir, since, windows)
         alone, busy = fit_terms(walls, parts, overlap)
         fitted = parts @ alone + (parts * overlap[:, None]) @ busy
-        cpu_share = share_on_cpu(cpu.get(role))
+        cpu_share = share_on_cpu(traced.cpu.get(role))
         result[role] = RoleCalibration(role, len(walls), float(walls.sum()), float(parts.sum()),
                                        tuple(float(a) for a in alone), tuple(float(b) for b in busy), cpu_share,
                                        decode_knots(walls, fitted, decode_only))
@@ -307,13 +331,48 @@ def calibrate(cost: CostModel, trace_dir: Path, since: float | None = None,
     raw = dict(cost.raw)
     raw["calibration"] = {"step_trace_dir": str(trace_dir), "since": since, "windows": windows,
                           "roles": {r: c.to_dict() for r, c in result.items()}}
-    encode = cost.encode
-    enc = calibrate_encoder(cost, encoder, share_on_cpu(cpu.get("encode")))
+    encode, enc = scaled_encoder(cost, traced)
     if enc is not None:
-        encode = replace(encode, base_s=encode.base_s * enc.factor, per_tile_s=encode.per_tile_s * enc.factor)
         raw["calibration"]["encode"] = enc.to_dict()
     return replace(cost, roles=roles, encode=encode, raw=raw), result
 
+
+
+def refresh(cost: CostModel, trace_dir: Path, since: float | None = None,
+            windows: list[tuple[float, float]] | None = None) -> tuple[CostModel, dict[str, dict]]:
+    """A calibrated profile brought to the host's speed in a later stretch of the same
+    deployment: each traced role's step cost, its neighbour term and decode factors with it,
+    times one factor, the steps' time alone on their cores over what ``cost`` predicts for them
+    (its neighbour term by their neighbours' busy share); the encoder's cost by its own factor
+    (``calibrate_encoder``). The fitted proportions are kept: one short run at one load, such as
+    a calibration run between two stretches of service, tells the host's speed, not the terms
+    apart. Returns the profile (its calibration record gains ``refresh``) and the factors."""
+    traced = read_traced_steps(trace_dir, since, windows)
+    roles = dict(cost.roles)
+    factors: dict[str, dict] = {}
+    for role, groups in traced.steps.items():
+        walls = np.concatenate([g[0] for g in groups])
+        if len(walls) < MIN_STEPS:
+            raise _too_few(role, len(walls), trace_dir, since, windows)
+        old = roles[role]
+        shapes = [s for g in groups for s in g[1]]
+        predicted = step_parts(old.step, shapes).sum(axis=1)
+        if old.neighbour_step is not None:
+            overlap = np.concatenate([g[2] for g in groups])
+            predicted += overlap * step_parts(old.neighbour_step, shapes).sum(axis=1)
+        f = float(walls.sum() / max(predicted.sum(), 1e-12))
+        neighbour = None if old.neighbour_step is None else old.neighbour_step.scaled(f)
+        roles[role] = replace(old, step=old.step.scaled(f), neighbour_step=neighbour)
+        factors[role] = {"factor": round(f, 4), "num_steps": len(walls),
+                         "served_s": round(float(walls.sum()), 3),
+                         "predicted_s": round(float(predicted.sum()), 3)}
+    encode, enc = scaled_encoder(cost, traced)
+    if enc is not None:
+        factors["encode"] = enc.to_dict()
+    raw = dict(cost.raw)
+    raw["calibration"] = {**raw.get("calibration", {}), "refresh": {
+        "step_trace_dir": str(trace_dir), "since": since, "windows": windows, "factors": factors}}
+    return replace(cost, roles=roles, encode=encode, raw=raw), factors
 
 def share_on_cpu(sums: list[tuple[float, float]] | None) -> float | None:
     """One-thread workers' CPU time over their served time, from (CPU s, served s) per trace."""
@@ -337,6 +396,17 @@ def calibrate_encoder(cost: CostModel, batches: list[tuple[np.ndarray, np.ndarra
     return EncoderCalibration(len(alone), float(alone.sum()), float(predicted), cpu_share)
 
 
+
+def scaled_encoder(cost: CostModel,
+                   traced: TracedSteps) -> tuple[EncodeCost | None, EncoderCalibration | None]:
+    """The profile's encoder cost times its traced batches' factor (``calibrate_encoder``), and
+    the factor's record; as profiled (and None) where the batches do not tell it."""
+    enc = calibrate_encoder(cost, traced.encoder, share_on_cpu(traced.cpu.get("encode")))
+    if enc is None:
+        return cost.encode, None
+    return replace(cost.encode, base_s=cost.encode.base_s * enc.factor,
+                   per_tile_s=cost.encode.per_tile_s * enc.factor), enc
+
 def add_calibrate_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "calibrate", help="scale a profile's step costs to the step times workers traced in service")
@@ -349,6 +419,11 @@ def add_calibrate_parser(subparsers: argparse._SubParsersAction) -> argparse.Arg
     p.add_argument("--window", action="append", default=None, metavar="START:END",
                    help="only steps that began in [START, END) (the traces' clock); repeat it for several "
                         "spans, e.g. calibration runs interleaved with other work")
+    p.add_argument("--refresh", action="store_true",
+                   help="bring a calibrated profile to the host's speed on these steps: each role's step "
+                        "cost times one factor (their time alone over the profile's prediction), the "
+                        "encoder's by its own; the fitted terms and decode factors kept (one short run at "
+                        "one load is enough)")
     p.add_argument("--out", required=True, help="where to write the calibrated profile")
     p.set_defaults(func=run_calibrate_command)
     return p
@@ -366,13 +441,36 @@ def parse_windows(values: list[str]) -> list[tuple[float, float]]:
     return windows
 
 
+def _encode_line(enc: dict) -> str:
+    """The encoder's factor as the command prints it (``EncoderCalibration.to_dict``)."""
+    return (f"{'encode':10s} {enc['num_batches']:6d} batches  alone {enc['served_s']:8.2f} s  "
+            f"profile predicts {enc['predicted_s']:8.2f} s  factor {enc['factor']:.3f}"
+            + ("" if enc["cpu_share"] is None
+               else f"  (on CPU {100 * enc['cpu_share']:.0f} % of its wall time)"))
+
+
+def _save(cost: CostModel, path: str) -> None:
+    try:
+        cost.save(path)
+    except OSError as e:
+        raise ConfigError(f"cannot write {path}: {e.strerror}") from None
+
+
 def run_calibrate_command(ns: argparse.Namespace) -> int:
     cost = CostModel.load(ns.profile)
+    if ns.refresh:
+        refreshed, factors = refresh(cost, Path(ns.step_trace_dir), ns.since, parse_windows(ns.window or []))
+        _save(refreshed, ns.out)
+        for role, f in sorted(factors.items()):
+            if role == "encode":
+                print(_encode_line(f))
+            else:
+                print(f"{role:10s} {f['num_steps']:6d} steps  served {f['served_s']:8.2f} s  "
+                      f"profile predicts {f['predicted_s']:8.2f} s  factor {f['factor']:.3f}")
+        print(f"wrote {ns.out}")
+        return 0
     calibrated, result = calibrate(cost, Path(ns.step_trace_dir), ns.since, parse_windows(ns.window or []))
-    try:
-        calibrated.save(ns.out)
-    except OSError as e:
-        raise ConfigError(f"cannot write {ns.out}: {e.strerror}") from None
+    _save(calibrated, ns.out)
     for role, cal in sorted(result.items()):
         terms = ", ".join(f"{t} x{a:.3f} (+{b:.3f} next to busy)" for t, a, b in zip(TERMS, cal.alone, cal.busy))
         print(f"{role:10s} {cal.num_steps:6d} steps  served {cal.served_s:8.2f} s  "
@@ -380,9 +478,6 @@ def run_calibrate_command(ns: argparse.Namespace) -> int:
               + ("" if cal.cpu_share is None else f"; on CPU {100 * cal.cpu_share:.0f} % of it") + ")")
     enc = calibrated.raw["calibration"].get("encode")
     if enc is not None:
-        print(f"{'encode':10s} {enc['num_batches']:6d} batches  alone {enc['served_s']:8.2f} s  "
-              f"profile predicts {enc['predicted_s']:8.2f} s  factor {enc['factor']:.3f}"
-              + ("" if enc["cpu_share"] is None
-                 else f"  (on CPU {100 * enc['cpu_share']:.0f} % of its wall time)"))
+        print(_encode_line(enc))
     print(f"wrote {ns.out}")
     return 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -11,7 +12,7 @@ from sim_profiles import profile_dict
 from epdserve.cli import main
 from epdserve.engine.step_shape import StepShape
 from epdserve.errors import ConfigError
-from epdserve.planner.calibrate import MIN_KNOT_STEPS, MIN_STEPS, calibrate
+from epdserve.planner.calibrate import MIN_KNOT_STEPS, MIN_STEPS, calibrate, refresh
 from epdserve.sim.cost_model import CostModel
 
 
@@ -339,3 +340,70 @@ def test_cli_prints_the_encoders_factor(tmp_path, capsys):
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("encode"))
     assert f"{MIN_STEPS} batches" in line and "factor 1.250" in line
     assert CostModel.load(out).encoder().time_s(2) == pytest.approx(1.25 * enc.time_s(2))
+
+
+def test_refresh_scales_a_calibrated_profile_by_one_factor_per_role(tmp_path):
+    """``refresh``: each role's whole step cost (its neighbour term and decode factors kept in
+    proportion) times its steps' time alone over what the calibrated profile predicts, the
+    neighbour term counted by the steps' neighbours' busy share; the encoder by its own factor."""
+    base = CostModel.from_dict(profile_dict())
+    decode_role = base.role("decode")
+    step = decode_role.step.scaled(1.0, 1.0, 1.2).with_decode_factors(((1, 0.9), (8, 1.1)))
+    roles = dict(base.roles)
+    roles["decode"] = replace(decode_role, step=step, neighbour_step=step.scaled(0.5))
+    cost = replace(base, roles=roles, raw={**base.raw, "calibration": {"roles": {"decode": {"factor": 1.2}}}})
+    prefill_shape = StepShape(256, 256 * 257 // 2, 0, 0)
+    prefill_s = cost.role("prefill").step.time_s(prefill_shape)
+    shapes = [StepShape(0, 0, d, 300 * d) for d in (1, 4, 8, 12)] * 5
+    # with the neighbour mid-step throughout
+    predicted = [1.5 * cost.role("decode").step.time_s(s) for s in shapes]
+    # Prefill steps back to back over the whole stretch (own core), at 0.9x; decode steps at 1.1x
+    # of the prediction with their busy neighbour.
+    num_prefills = max(int(sum(predicted) / (0.9 * prefill_s)) + 4, MIN_STEPS)
+    write_trace(tmp_path, "prefill-0", "prefill", [(prefill_shape, 0.9 * prefill_s)] * num_prefills,
+                t0=-prefill_s)
+    write_trace(tmp_path, "decode-0", "decode", [(s, 1.1 * p) for s, p in zip(shapes, predicted)])
+    enc = cost.encoder()  # its batches back to back over the stretch too: the decode steps' other neighbour
+    batch_s = 0.7 * enc.time_s(2)
+    num_batches = max(int(1.1 * sum(predicted) / batch_s) + 4, MIN_STEPS)
+    write_encoder_trace(tmp_path, [((i - 1) * batch_s, batch_s, 2) for i in range(num_batches)])
+    refreshed, factors = refresh(cost, tmp_path)
+    assert factors["decode"]["factor"] == pytest.approx(1.1, rel=1e-3)
+    assert factors["prefill"]["factor"] == pytest.approx(0.9, rel=1e-3)
+    assert factors["encode"]["factor"] == pytest.approx(0.7)
+    for s in shapes:
+        assert refreshed.role("decode").step.time_s(s) == pytest.approx(
+            1.1 * cost.role("decode").step.time_s(s))
+        assert refreshed.role("decode").neighbour_step.time_s(s) == pytest.approx(
+            1.1 * cost.role("decode").neighbour_step.time_s(s))
+    assert refreshed.role("decode").step.decode_factors == step.decode_factors
+    assert refreshed.role("prefill").step.time_s(prefill_shape) == pytest.approx(0.9 * prefill_s)
+    assert refreshed.role("colocated") == cost.role("colocated")  # not traced: unchanged
+    assert refreshed.encoder().time_s(3) == pytest.approx(0.7 * enc.time_s(3))
+    # The calibration it refreshes stays on record beside the refresh; written and read back.
+    path = tmp_path / "refreshed.json"
+    refreshed.save(path)
+    record = CostModel.load(path).raw["calibration"]
+    assert record["roles"] == {"decode": {"factor": 1.2}}
+    assert record["refresh"]["factors"]["decode"]["num_steps"] == len(shapes)
+    # A window that holds too few steps of a role is an error, as calibrate's.
+    with pytest.raises(ConfigError, match="at least"):
+        refresh(cost, tmp_path, windows=[(0.0, 2 * predicted[0])])
+
+
+def test_cli_refresh_prints_the_factors(tmp_path, capsys):
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps(profile_dict()))
+    shape = StepShape(0, 0, 2, 200)
+    step_s = CostModel.from_dict(profile_dict()).role("colocated").step.time_s(shape)
+    traces = tmp_path / "steps"
+    write_trace(traces, "colocated-0", "colocated", [(shape, 1.3 * step_s)] * MIN_STEPS)
+    out = tmp_path / "refreshed.json"
+    assert main(["calibrate", "--refresh", "--profile", str(profile), "--step-trace-dir", str(traces),
+                 "--out", str(out)]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("colocated"))
+    assert f"{MIN_STEPS} steps" in line and "factor 1.300" in line
+    assert CostModel.load(out).role("colocated").step.time_s(shape) == pytest.approx(1.3 * step_s)
+    assert main(["calibrate", "--refresh", "--profile", str(profile), "--step-trace-dir",
+                 str(tmp_path / "none"), "--out", str(out)]) == 2
+    assert capsys.readouterr().err.startswith("epdserve: error:")
