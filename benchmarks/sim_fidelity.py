@@ -564,10 +564,27 @@ def run_round(topology: str, round_index: int, profile: Path, state: TopologySta
 
 
 def run_calibrate(profile: Path, trace_dir: Path, windows: list[tuple[float, float]], out: Path,
-                  log: list[str]) -> None:
+                  log: list[str], refresh: bool = False) -> None:
     spans = [f"--window={a:.6f}:{b:.6f}" for a, b in windows]
-    run_logged(epdserve("calibrate", "--profile", str(profile), "--step-trace-dir", str(trace_dir), *spans,
-                        "--out", str(out)), log)
+    run_logged(epdserve("calibrate", *(["--refresh"] if refresh else []), "--profile", str(profile),
+                        "--step-trace-dir", str(trace_dir), *spans, "--out", str(out)), log)
+
+
+def tracked_profiles(first: Path, trace_dirs: list[Path], windows: list[tuple[int, float, float]], stem: str,
+                     out_dir: Path, log: list[str]) -> list[Path]:
+    """Per round, the profile its judged runs are replayed on for ``sim_tracked``: the first
+    round's calibrated profile, and in each later round that profile refreshed (``epdserve
+    calibrate --refresh``: one factor per role, one for the encoder) on the round's own
+    calibration run, which ran on the same server just before the round's levels."""
+    paths = []
+    for k, trace_dir in enumerate(trace_dirs):
+        mine = [(a, b) for r, a, b in windows if r == k]
+        if k == 0 or not mine:
+            paths.append(first)
+            continue
+        paths.append(out_dir / f"{stem}_r{k + 1}.json")
+        run_calibrate(first, trace_dir, mine, paths[-1], log, refresh=True)
+    return paths
 
 
 def merged_trace_dir(state: TopologyState, out: Path) -> Path:
@@ -667,8 +684,13 @@ def farthest_term(ratios: dict[str, dict]) -> str:
     return f"{role} {'prefill' if kind == 'prefill' else 'decode-only'} steps × {x:.3f}"
 
 
-PROFILE_KEYS = {"sim": "the profile calibrated before the judged runs", "sim_stretch": "the profile calibrated "
-                "over the stretch", "sim_offline": "the offline profile"}
+PROFILE_KEYS = {
+    "sim": "the profile calibrated before the judged runs",
+    "sim_tracked": ("the profile calibrated before the judged runs, refreshed in each later round on that "
+                    "round's calibration run (epdserve calibrate --refresh)"),
+    "sim_stretch": "the profile calibrated over the stretch",
+    "sim_offline": "the offline profile",
+}
 
 
 def cell_label(c: dict) -> str:
@@ -736,6 +758,10 @@ def write_plots(cells: list[dict], out_dir: Path) -> list[Path]:
                       label="real runs: lowest–highest" if i == 0 else None)
             ax.plot(i, v["real_mean"], "k_", markersize=14, label="real mean" if i == 0 else None)
             ax.plot(i, v["sim"], "rx", markersize=8, label="simulated (calibrated before)" if i == 0 else None)
+            tracked = c.get("sim_tracked", {}).get(m)
+            if tracked is not None:
+                ax.plot(i, tracked["sim"], "g.", markersize=8, label="simulated (refreshed each round)"
+                        if i == 0 else None)
             stretch = c.get("sim_stretch", {}).get(m)
             if stretch is not None:
                 ax.plot(i, stretch["sim"], "b+", markersize=8, label="simulated (calibrated over the stretch)"
@@ -775,7 +801,9 @@ def build_report(cells: list[dict], judgements: dict[str, dict], scale: Scale, r
         if key not in judgements:
             continue
         lines += [f"## Simulated on {what}", ""]
-        if key != "sim_offline":
+        if key == "sim_tracked":
+            lines += [*format_refreshes(cells), ""]
+        elif key != "sim_offline":
             lines += [*format_factors(calibration_factors(cells, key)), ""]
         lines += [format_cells(cells, key), "", format_judgement(judgements[key]), ""]
     lines += ["## Where the cells that miss are off", "",
@@ -837,6 +865,23 @@ def format_factors(factors: dict[str, dict]) -> list[str]:
     return lines
 
 
+def format_refreshes(cells: list[dict]) -> list[str]:
+    """One bullet per topology: each later round's refresh factors (``tracked_profiles``)."""
+    lines = []
+    for topology in dict.fromkeys(c["topology"] for c in cells):
+        paths = dict.fromkeys(p for c in cells if c["topology"] == topology
+                              for p in c.get("profiles", {}).get("sim_tracked", []))
+        rounds = []
+        for path in paths:
+            refresh = json.loads(Path(path).read_text()).get("calibration", {}).get("refresh")
+            if refresh is not None:
+                rounds.append(f"round {Path(path).stem.rsplit('_r', 1)[-1]}: " + ", ".join(
+                    f"{role} × {f['factor']:.3f}" for role, f in refresh["factors"].items()))
+        if rounds:
+            lines.append(f"- {topology}: " + "; ".join(rounds))
+    return lines
+
+
 def calibration_factors(cells: list[dict], key: str) -> dict[str, dict]:
     """Per topology, the calibration record of the profile simulation ``key`` ran on."""
     out = {}
@@ -860,6 +905,8 @@ def judge_runs(states: dict[str, TopologyState], loads: dict[str, list[Workload]
             stretch = out_dir / f"profile_calibrated_{name}_stretch.json"
             run_calibrate(profile, merged, [(a, b) for _, a, b in state.calibration_windows], stretch, log)
             profiles = {"sim": state.first_profile, "sim_stretch": stretch, "sim_offline": profile}
+            tracked = tracked_profiles(state.first_profile, state.trace_dirs, state.calibration_windows,
+                                       f"profile_calibrated_{name}", out_dir, log)
         attribution_cost = CostModel.load(profiles["sim"])
         groups: dict[tuple[str, float], list[RealRun]] = {}
         for run in state.runs:
@@ -875,9 +922,11 @@ def judge_runs(states: dict[str, TopologyState], loads: dict[str, list[Workload]
                     "num_runs": len(runs), "real_runs": real_runs, "tags": [r.tag for r in runs],
                     "other_work_share": max(r.other_work_share for r in runs),
                     "profiles": {k: str(v) for k, v in profiles.items()}}
+            if "sim_stretch" in profiles:  # calibrated: each run on its own round's refreshed profile too
+                cell["profiles"]["sim_tracked"] = [str(tracked[r.round_index]) for r in runs]
             for run, real in zip(runs, reals):
                 write_trace(real, out_dir / f"trace_{run.tag}.jsonl", num_image_tokens)
-            for key, path in profiles.items():
+            for key, path in cell["profiles"].items():
                 replay_cell(cell, key, path, images, out_dir, "sim", log)
             ratios: dict[str, dict] = {}
             for k, trace_dir in enumerate(state.trace_dirs):
@@ -893,16 +942,21 @@ def judge_runs(states: dict[str, TopologyState], loads: dict[str, list[Workload]
     return cells
 
 
-PROFILE_SUFFIXES = {"sim": "", "sim_stretch": "_stretch", "sim_offline": "_offline"}  # in replay file names
+PROFILE_SUFFIXES = {"sim": "", "sim_tracked": "_tracked", "sim_stretch": "_stretch",
+                    "sim_offline": "_offline"}  # in replay file names
 
 
-def replay_cell(cell: dict, key: str, profile: Path, images: list[str], out_dir: Path, prefix: str,
-                log: list[str]) -> None:
-    """Each real run of ``cell`` (its replay trace, trace_<tag>.jsonl) simulated on ``profile``:
-    the runs' scores in ``cell[key + "_runs"]`` and the judged summary in ``cell[key]``."""
+def replay_cell(cell: dict, key: str, profile: str | Path | list, images: list[str], out_dir: Path,
+                prefix: str, log: list[str]) -> None:
+    """Each real run of ``cell`` (its replay trace, trace_<tag>.jsonl) simulated on ``profile``
+    (a list: one profile per run, in the order of the cell's tags): the runs' scores in
+    ``cell[key + "_runs"]`` and the judged summary in ``cell[key]``."""
     slo = Slo(*cell["slo"])
-    sims = [simulate(profile, cell["topology"], ["--workload", "trace", str(out_dir / f"trace_{tag}.jsonl"), *images],
-                     slo, out_dir / f"{prefix}{PROFILE_SUFFIXES[key]}_{tag}.json", log) for tag in cell["tags"]]
+    paths = profile if isinstance(profile, list) else [profile] * len(cell["tags"])
+    sims = [simulate(Path(path), cell["topology"],
+                     ["--workload", "trace", str(out_dir / f"trace_{tag}.jsonl"), *images],
+                     slo, out_dir / f"{prefix}{PROFILE_SUFFIXES[key]}_{tag}.json", log)
+            for tag, path in zip(cell["tags"], paths)]
     cell[f"{key}_runs"] = [score(sim, slo) for sim in sims]
     cell[key] = summarize_cell(cell["real_runs"], cell[f"{key}_runs"])
 
@@ -936,9 +990,14 @@ def recalibrate(results: dict, out_dir: Path, log: list[str], first_windows: lis
         merged = TopologyState(trace_dirs=[Path(d) for d in state["trace_dirs"]])
         stretch = out_dir / f"rejudged_profile_calibrated_{name}_stretch.json"
         run_calibrate(profile, merged_trace_dir(merged, out_dir / f"rejudged_steps_{name}_all"), windows, stretch, log)
+        tracked = tracked_profiles(first, merged.trace_dirs, [(int(k), float(a), float(b))
+                                                              for k, a, b in state["calibration_windows"]],
+                                   f"rejudged_profile_calibrated_{name}", out_dir, log)
+        round_of = {r["tag"]: int(r["round_index"]) for r in state["runs"]}
         for cell in results["cells"]:
             if cell["topology"] == topology:
-                cell["profiles"].update(sim=str(first), sim_stretch=str(stretch))
+                cell["profiles"].update(sim=str(first), sim_stretch=str(stretch),
+                                        sim_tracked=[str(tracked[round_of[tag]]) for tag in cell["tags"]])
 
 
 def rejudge(out_dir: Path, redo_calibration: bool = False, first_windows: list[int] | None = None) -> str:
@@ -958,7 +1017,7 @@ def rejudge(out_dir: Path, redo_calibration: bool = False, first_windows: list[i
         topology = cell["topology"]
         workload = next(w for w in workloads(scale, topology, results["with_azure"]) if w.name == cell["workload"])
         for key, path in cell["profiles"].items():
-            replay_cell(cell, key, Path(path), workload.sim_image_args(), out_dir, "rejudged", log)
+            replay_cell(cell, key, path, workload.sim_image_args(), out_dir, "rejudged", log)
     judgements = {key: judge(cells, key) for key in PROFILE_KEYS if all(key in c for c in cells)}
     results.update(cells=cells, judgements=judgements, rejudged_commands=log)
     (out_dir / "results_rejudged.json").write_text(json.dumps(results, indent=2, default=str) + "\n", encoding="utf-8")

@@ -90,7 +90,8 @@ def test_rejudge_replays_the_stored_runs_in_the_simulator_as_it_is_now(tmp_path)
         [json.dumps({"worker_id": "colocated-0", "role": "colocated", "num_threads": 1}),
          *(json.dumps({"t": 10.0 + i, "wall_s": wall, **shape.to_dict()}) for i in range(12))]) + "\n")
     results["states"] = {"colocated=2": {"trace_dirs": [str(steps)], "calibration_windows": [[0, 0.0, 100.0]],
-                                         "first_profile": str(profile), "runs": []}}
+                                         "first_profile": str(profile),
+                                         "runs": [{"tag": "c_r1", "round_index": 0}]}}
     (tmp_path / "results.json").write_text(json.dumps(results))
     sim_fidelity.rejudge(tmp_path, redo_calibration=True)
     out = json.loads((tmp_path / "results_rejudged.json").read_text())
@@ -126,3 +127,59 @@ def test_farthest_term_names_a_kind_with_enough_steps():
     few = {"decode": {"prefill": r(5.0, 7), "decode": r(1.2, 9)}}
     assert sim_fidelity.farthest_term(few) == "decode prefill steps × 5.000"
     assert sim_fidelity.farthest_term({}) == "no traced steps"
+
+
+def test_tracked_profile_refreshes_each_later_round_on_its_own_calibration_run(tmp_path):
+    """sim_tracked: a round's runs replayed on the first round's calibrated profile refreshed on
+    that round's calibration run (epdserve calibrate --refresh; here round 2's steps took 1.2x
+    round 1's); the first round's runs on the first profile itself. The simulated value is the
+    mean of the runs' replays, the refresh factors are in the report."""
+    import json
+
+    from sim_profiles import profile_dict
+
+    from epdserve.engine.step_shape import StepShape
+    from epdserve.sim.cost_model import CostModel
+
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps(profile_dict()))
+    shape = StepShape(32, 32 * 33 // 2, 0, 0)
+    wall = CostModel.from_dict(profile_dict()).role("colocated").step.time_s(shape)
+    dirs = []
+    for k, slower in enumerate((1.5, 1.8)):  # round 1: 1.5x the offline profile, round 2: 1.2x that
+        steps = tmp_path / f"steps_r{k + 1}"
+        steps.mkdir()
+        (steps / "colocated-0.jsonl").write_text("\n".join(
+            [json.dumps({"worker_id": "colocated-0", "role": "colocated", "num_threads": 1}),
+             *(json.dumps({"t": 100.0 * k + i, "wall_s": slower * wall, **shape.to_dict()})
+               for i in range(12))]) + "\n")
+        dirs.append(str(steps))
+        (tmp_path / f"trace_c_r{k + 1}.jsonl").write_text(
+            json.dumps({"timestamp": 0, "input_length": 32, "output_length": 3}) + "\n")
+    real = runs(ttft_p50_ms=[63.0, 75.6], goodput=[1.0, 1.0])
+    cell = {"topology": "colocated=2", "workload": "random", "load": 1.0, "rate": 1.0, "slo": [1000.0, 100.0],
+            "num_runs": 2, "real_runs": real, "tags": ["c_r1", "c_r2"], "profiles": {"sim": str(profile)},
+            "sim_runs": [], "sim": {}, "step_ratios": {}}
+    results = {"scale": sim_fidelity.QUICK.__dict__, "capacities": {"colocated=2": {"random": 1.0}},
+               "with_azure": False, "workloads": {"colocated=2": ["random"]},
+               "slos": {"random": {"ttft_ms": 1000.0, "tpot_ms": 100.0}}, "cells": [cell], "judgements": {},
+               "host_drift": [], "busy_at_start": 0.0, "profile": str(profile), "commands": [],
+               "states": {"colocated=2": {"trace_dirs": dirs,
+                                          "calibration_windows": [[0, 0.0, 50.0], [1, 100.0, 150.0]],
+                                          "first_profile": str(profile),
+                                          "runs": [{"tag": "c_r1", "round_index": 0},
+                                                   {"tag": "c_r2", "round_index": 1}]}}}
+    (tmp_path / "results.json").write_text(json.dumps(results))
+    report = sim_fidelity.rejudge(tmp_path, redo_calibration=True)
+    out = json.loads((tmp_path / "results_rejudged.json").read_text())
+    c = out["cells"][0]
+    assert c["profiles"]["sim_tracked"] == [str(tmp_path / "rejudged_profile_calibrated_colocated2.json"),
+                                            str(tmp_path / "rejudged_profile_calibrated_colocated2_r2.json")]
+    # TTFT of one 32-token prompt alone: 42 ms on the offline profile
+    assert [r["ttft_p50_ms"] for r in c["sim_tracked_runs"]] == pytest.approx([63.0, 75.6], rel=1e-2)
+    assert c["sim_tracked"]["ttft_p50_ms"]["sim"] == pytest.approx(69.3, rel=1e-2)
+    assert c["sim"]["ttft_p50_ms"]["sim"] == pytest.approx(63.0, rel=1e-2)  # the first profile for both runs
+    assert "sim_tracked" in out["judgements"]
+    refresh = json.loads(Path(c["profiles"]["sim_tracked"][1]).read_text())["calibration"]["refresh"]
+    factor = refresh["factors"]["colocated"]["factor"]
+    assert factor == pytest.approx(1.2, rel=1e-2) and f"round 2: colocated × {factor:.3f}" in report
