@@ -40,11 +40,14 @@ worker share core 0).
    the steps the workers traced in them (never a level's), the encoder's cost to its batches:
    the profile a user would have before the judged runs; the capacities (and so every round's
    rates) come from it. After the last round, a second calibration on every calibration run of
-   the stretch (the host's speed over the same minutes). Each real run's sends are written as a
-   Mooncake trace (send time, prompt tokens as the server counted them less the image tokens the
-   simulator adds itself, output tokens) and replayed by ``epdserve simulate`` (with the
-   workload's images) on the first-round profile, on the stretch profile and on the offline
-   profile; every worker of a topology shares one simulated host (``--instances-per-host``).
+   the stretch (the host's speed over the same minutes); and the tracked profiles: per later
+   round, the first-round profile refreshed (``epdserve calibrate --refresh``: one factor per
+   role and one for the encoder, the fitted terms kept) on that round's own calibration run.
+   Each real run's sends are written as a Mooncake trace (send time, prompt tokens as the server
+   counted them less the image tokens the simulator adds itself, output tokens) and replayed by
+   ``epdserve simulate`` (with the workload's images) on the first-round profile, on its round's
+   tracked profile, on the stretch profile and on the offline profile; every worker of a
+   topology shares one simulated host (``--instances-per-host``).
 5. Per cell (topology, workload, level) and metric (TTFT P50/P99, TPOT P50/P99, goodput): the
    real runs' mean, lowest and highest; the simulated value (mean over the runs' replays); whether
    it lies inside the real band [lowest, highest] widened by 5 % of the real mean on each side;
