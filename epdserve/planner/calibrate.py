@@ -9,7 +9,8 @@ busy time, and the encoder's cost is scaled by one factor to their time alone wh
 count their tiles); for each role this module predicts every traced step from the profile, split
 into the cost model's term groups (base, prefill terms, decode terms), and fits per group a
 factor for a step alone and an extra for a step during which the host's other traced workers are
-mid-step: a step of one sequence that streams the model's weights slows far more next to another
+mid-step (every ``--window``, i.e. every calibration run, weighs the same in the fit, however
+many steps it holds): a step of one sequence that streams the model's weights slows far more next to another
 such step than a prefill does. Then, per batch size with at least MIN_KNOT_STEPS decode-only
 steps, their served time over that fit becomes a knot of the step cost's ``decode_factors``: a
 CPU's matmul kernels are not linear in their row count (on an AVX-512 Xeon in float32, 12 rows
@@ -201,24 +202,36 @@ def step_parts(step: StepCost, shapes: list[StepShape]) -> np.ndarray:
     return np.array([step.parts_s(shape) for shape in shapes]).reshape(len(shapes), len(TERMS))
 
 
-def fit_terms(walls: np.ndarray, parts: np.ndarray, overlap: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def fit_terms(walls: np.ndarray, parts: np.ndarray, overlap: np.ndarray,
+              weights: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """``wall ~ sum_g parts_g x (alone_g + busy_g x overlap)`` by non-negative least squares on
-    relative residuals (a 20 ms decode step counts as much as a 300 ms prefill), each ``alone_g``
-    held at 1 by a ridge of RIDGE per step. A group absent from every step keeps alone 1 and
-    busy 0; without overlaps, busy is 0. Returns (alone, busy), one value per group."""
-    x = np.column_stack([parts, parts * overlap[:, None]]) / np.maximum(walls, 1e-9)[:, None]
+    relative residuals (a 20 ms decode step counts as much as a 300 ms prefill), each residual
+    times its step's weight (``weights``, mean 1; None: all 1), each ``alone_g`` held at 1 by a
+    ridge of RIDGE per step. A group absent from every step keeps alone 1 and busy 0; without
+    overlaps, busy is 0. Returns (alone, busy), one value per group."""
+    root = np.ones(len(walls)) if weights is None else np.sqrt(weights)
+    x = np.column_stack([parts, parts * overlap[:, None]]) * (root / np.maximum(walls, 1e-9))[:, None]
     num_groups = parts.shape[1]
     present = np.concatenate([np.abs(parts).sum(axis=0) > 0] * 2)
     present[num_groups:] &= overlap.max() > 0
     ridge = np.zeros((num_groups, 2 * num_groups))
     ridge[np.arange(num_groups), np.arange(num_groups)] = np.sqrt(RIDGE * len(walls))
     a = np.vstack([x, ridge])[:, present]
-    b = np.concatenate([np.ones(len(walls)), np.full(num_groups, np.sqrt(RIDGE * len(walls)))])
+    b = np.concatenate([root, np.full(num_groups, np.sqrt(RIDGE * len(walls)))])
     coef = np.zeros(2 * num_groups)
     coef[present] = nnls(a, b)
     alone, busy = coef[:num_groups], coef[num_groups:]
     alone[~present[:num_groups]] = 1.0
     return alone, busy
+
+
+def window_weights(window: np.ndarray) -> np.ndarray:
+    """Per step, a weight that gives every window (calibration run) the same weight in the fit
+    whatever its number of steps, mean 1: a light load's run has many small steps, a heavy one's
+    fewer large ones, and counted by steps the light run would decide the terms that the large
+    steps depend on."""
+    _, index, counts = np.unique(window, return_inverse=True, return_counts=True)
+    return len(window) / (len(counts) * counts[index])
 
 
 def decode_knots(walls: np.ndarray, predicted: np.ndarray, num_seqs: np.ndarray) -> tuple[tuple[int, float], ...]:
@@ -235,8 +248,9 @@ def decode_knots(walls: np.ndarray, predicted: np.ndarray, num_seqs: np.ndarray)
 @dataclass(frozen=True)
 class TracedSteps:
     """The steps ``calibrate`` and ``refresh`` take from a step-trace directory."""
-    # per role, per trace: (time alone on its cores, shapes, neighbours' busy share) of the steps kept
-    steps: dict[str, list[tuple[np.ndarray, list[StepShape], np.ndarray]]]
+    # per role, per trace: (time alone on its cores, shapes, neighbours' busy share, the window each
+    # began in: its index in ``windows``, 0 without windows) of the steps kept
+    steps: dict[str, list[tuple[np.ndarray, list[StepShape], np.ndarray, np.ndarray]]]
     encoder: list[tuple[np.ndarray, np.ndarray]]  # an encoder's batches kept: (time alone, tiles), per trace
     cpu: dict[str, list[tuple[float, float]]]  # one-thread workers: (CPU s, served s) of the steps kept
 
@@ -263,8 +277,12 @@ def read_traced_steps(trace_dir: Path, since: float | None = None,
     traced = TracedSteps({}, [], {})
     for trace in traces:
         keep = np.ones(len(trace.walls), dtype=bool) if since is None else trace.starts >= since
+        window = np.zeros(len(trace.walls), dtype=np.int64)
         if windows:
-            keep &= np.any([(trace.starts >= a) & (trace.starts < b) for a, b in windows], axis=0)
+            inside = np.array([(trace.starts >= a) & (trace.starts < b) for a, b in windows]).reshape(
+                len(windows), len(trace.walls))
+            keep &= inside.any(axis=0)
+            window = inside.argmax(axis=0)
         if trace.role == "encode":  # its batches are its neighbours' busy time, and its own cost's samples
             if trace.tiles is None:
                 continue
@@ -280,7 +298,7 @@ def read_traced_steps(trace_dir: Path, since: float | None = None,
             continue
         shapes = [s for s, k in zip(trace.shapes, keep) if k]
         alone = trace.walls[keep] / sharing[keep]
-        traced.steps.setdefault(trace.role, []).append((alone, shapes, overlap[keep]))
+        traced.steps.setdefault(trace.role, []).append((alone, shapes, overlap[keep], window[keep]))
     return traced
 
 
@@ -306,16 +324,16 @@ def calibrate(cost: CostModel, trace_dir: Path, since: float | None = None,
     by_role: dict[str, list[tuple[np.ndarray, ...]]] = {}
     for role, groups in traced.steps.items():
         step = cost.role(role).step.with_decode_factors(())
-        for walls, shapes, overlap in groups:
+        for walls, shapes, overlap, window in groups:
             decode_only = np.array([0 if s.num_prefill_tokens else s.num_decode_seqs for s in shapes],
                                    dtype=np.int64)
-            by_role.setdefault(role, []).append((walls, step_parts(step, shapes), overlap, decode_only))
+            by_role.setdefault(role, []).append((walls, step_parts(step, shapes), overlap, decode_only, window))
     result = {}
     for role, groups in by_role.items():
-        walls, parts, overlap, decode_only = (np.concatenate(g) for g in zip(*groups))
+        walls, parts, overlap, decode_only, window = (np.concatenate(g) for g in zip(*groups))
         if len(walls) < MIN_STEPS:
             raise _too_few(role, len(walls), trace_dir, since, windows)
-        alone, busy = fit_terms(walls, parts, overlap)
+        alone, busy = fit_terms(walls, parts, overlap, window_weights(window))
         fitted = parts @ alone + (parts * overlap[:, None]) @ busy
         cpu_share = share_on_cpu(traced.cpu.get(role))
         result[role] = RoleCalibration(role, len(walls), float(walls.sum()), float(parts.sum()),

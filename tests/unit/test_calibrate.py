@@ -12,7 +12,7 @@ from sim_profiles import profile_dict
 from epdserve.cli import main
 from epdserve.engine.step_shape import StepShape
 from epdserve.errors import ConfigError
-from epdserve.planner.calibrate import MIN_KNOT_STEPS, MIN_STEPS, calibrate, refresh
+from epdserve.planner.calibrate import MIN_KNOT_STEPS, MIN_STEPS, calibrate, refresh, window_weights
 from epdserve.sim.cost_model import CostModel
 
 
@@ -407,3 +407,25 @@ def test_cli_refresh_prints_the_factors(tmp_path, capsys):
     assert main(["calibrate", "--refresh", "--profile", str(profile), "--step-trace-dir",
                  str(tmp_path / "none"), "--out", str(out)]) == 2
     assert capsys.readouterr().err.startswith("epdserve: error:")
+
+
+def test_every_calibration_window_weighs_the_same_in_the_fit(tmp_path):
+    """A light run's many small steps and a heavy run's few large ones: counted by steps the
+    light run decides the terms; with a window each, the heavy run weighs as much, and the fit
+    follows its large steps more closely (here no term set can fit both runs exactly)."""
+    assert window_weights(np.array([0, 0, 0, 1])) == pytest.approx([2 / 3, 2 / 3, 2 / 3, 2.0])
+    assert window_weights(np.array([5, 5])) == pytest.approx([1.0, 1.0])
+    cost = CostModel.from_dict(profile_dict())
+    step = cost.role("decode").step
+    small, middle, large = StepShape(0, 0, 1, 300), StepShape(0, 0, 4, 4 * 300), StepShape(0, 0, 16, 16 * 600)
+    light = [(small, step.time_s(small)), (middle, step.time_s(middle))] * 100  # as profiled
+    heavy = [(large, 1.3 * step.time_s(large))] * 20  # 1.3x the profile
+    write_trace(tmp_path, "decode-0", "decode", light + heavy)
+    end_light = sum(w for _, w in light)
+    end = end_light + sum(w for _, w in heavy)
+    one, _ = calibrate(cost, tmp_path, windows=[(0.0, end + 1.0)])
+    two, _ = calibrate(cost, tmp_path, windows=[(0.0, end_light - 1e-9), (end_light - 1e-9, end + 1.0)])
+    target = 1.3 * step.time_s(large)
+    error_one = abs(one.role("decode").step.time_s(large) / target - 1)
+    error_two = abs(two.role("decode").step.time_s(large) / target - 1)
+    assert error_two < 0.75 * error_one  # 15 % low against 23 % here
