@@ -87,7 +87,13 @@ def test_prefill_decode_and_encode_on_three_nodes(cluster, tmp_path):
 
         r = httpx.post(f"{server.url}/v1/chat/completions", json=chat_body([data_url(image_bytes(1))]), timeout=120)
         assert r.status_code == 200, r.text
-        assert r.json()["timing"]["num_images"] == 1 and _metric(server, "epdserve_embedding_transfer_bytes_total") > 0
+        assert r.json()["timing"]["num_images"] == 1
+        # The router counts the bytes when the encoder's report arrives, on another channel than
+        # the embedding itself: it may come after the response (bounded wait).
+        deadline = time.monotonic() + 10.0
+        while _metric(server, "epdserve_embedding_transfer_bytes_total") == 0 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _metric(server, "epdserve_embedding_transfer_bytes_total") > 0
         server.wait_all_blocks_free()
     finally:
         stop_server(server)
