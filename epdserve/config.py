@@ -14,6 +14,8 @@ from epdserve.errors import ConfigError
 from epdserve.faults import FaultSpec
 
 DTYPES = ("bfloat16", "float32", "float16")
+# Images per encoder forward pass: the default of serve, its encode workers, simulate and plan.
+ENCODE_BATCH_IMAGES = 1
 
 
 def _require(ok: bool, message: str) -> None:

@@ -25,7 +25,7 @@ from epdserve.cluster import messages as m
 from epdserve.cluster.router_link import MalformedFrame
 from epdserve.cluster.step_trace import StepTrace
 from epdserve.cluster.worker_base import Handler, WorkerBase, run_process
-from epdserve.config import resolve_device_name, resolve_dtype_name
+from epdserve.config import ENCODE_BATCH_IMAGES, resolve_device_name, resolve_dtype_name
 from epdserve.engine.encoder_runner import EncodeJob, EncodeResult, EncoderRunner
 from epdserve.engine.failures import describe, is_fatal
 from epdserve.errors import ConfigError
@@ -48,7 +48,7 @@ class EncodeWorkerOptions:
     device: str = "auto"
     seed: int = 0
     cores: tuple[int, ...] = ()
-    max_batch_images: int = 1  # images per encoder forward pass
+    max_batch_images: int = ENCODE_BATCH_IMAGES  # images per encoder forward pass
     cache_bytes: int = 256 << 20  # content-hash embedding cache
     heartbeat_s: float = 0.2
     die_with_parent: bool = False

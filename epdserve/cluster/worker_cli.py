@@ -18,6 +18,7 @@ from epdserve.auth import worker_key
 from epdserve.cli_args import add_engine_args, engine_args_from
 from epdserve.cluster.encode_worker import EncodeWorkerOptions, run_encode_worker
 from epdserve.cluster.worker import WorkerOptions, run_worker
+from epdserve.config import ENCODE_BATCH_IMAGES
 from epdserve.errors import EpdserveError
 from epdserve.transfer.locality import TRANSPORTS
 
@@ -44,7 +45,8 @@ def add_worker_args(wrk: argparse.ArgumentParser) -> None:
     wrk.add_argument("--vision", default=None, help="take images with this vision tower: 'default' or 'smolvlm-256m' (seeded), 'checkpoint' (the model directory's own)")
     wrk.add_argument("--embed-slab-mb", type=float, default=0.0, help="prefill/colocated: embedding slab for encode workers (0: encode in-process)")
     wrk.add_argument("--embed-transport", choices=TRANSPORTS, default="auto", help="how encode workers reach the slab")
-    wrk.add_argument("--encode-batch-images", type=int, default=1, help="images per encoder forward pass")
+    wrk.add_argument("--encode-batch-images", type=int, default=ENCODE_BATCH_IMAGES,
+                     help="images per encoder forward pass")
     wrk.add_argument("--encoder-cache-mb", type=float, default=256.0, help="content-hash embedding cache")
     wrk.add_argument("--step-trace-dir", default=None, help="write every model step (encode: every encoder batch) to DIR/<worker id>.jsonl (for epdserve calibrate)")
     wrk.add_argument("--die-with-parent", action="store_true", help=argparse.SUPPRESS)

@@ -16,6 +16,7 @@ import time
 
 from epdserve.cli_args import engine_argv
 from epdserve.cluster.ray_cluster import PLACEMENTS
+from epdserve.config import ENCODE_BATCH_IMAGES
 from epdserve.envs import EPDSERVE_API_KEY, get_api_key
 from epdserve.errors import ConfigError
 from epdserve.roles import Role
@@ -117,7 +118,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     v.add_argument("--embed-transport", choices=TRANSPORTS, default="auto",
                    help="how encode workers write slabs: auto (shared memory on one node, TCP between nodes), "
                         "or always one of them")
-    v.add_argument("--encode-batch-images", type=int, default=1, help="images per encoder forward pass")
+    v.add_argument("--encode-batch-images", type=int, default=ENCODE_BATCH_IMAGES,
+                   help="images per encoder forward pass")
     v.add_argument("--encoder-cache-mb", type=float, default=256.0, help="content-hash embedding cache per encoder")
     v.add_argument("--max-images-per-request", type=int, default=16)
     v.add_argument("--allowed-media-domains", nargs="*", default=[], help="hosts http(s) image URLs may be fetched from")

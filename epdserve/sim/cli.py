@@ -12,6 +12,7 @@ from pathlib import Path
 
 import msgspec
 
+from epdserve.config import ENCODE_BATCH_IMAGES
 from epdserve.errors import ConfigError, EpdserveError
 from epdserve.router.role_control import add_role_switching_args, role_control_config
 from epdserve.router.workers import DEFAULT_ROUTING, ROUTING_POLICIES
@@ -50,7 +51,8 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
     c.add_argument("--max-model-len", type=int, default=None, help="default: the workload's longest request")
     c.add_argument("--no-prefix-caching", action="store_true")
     c.add_argument("--no-pipeline", action="store_true", help="prefill waits for all of a request's images")
-    c.add_argument("--encode-batch-images", type=int, default=8, help="images per encoder batch")
+    c.add_argument("--encode-batch-images", type=int, default=ENCODE_BATCH_IMAGES,
+                   help="images per encoder batch (serve's default)")
     c.add_argument("--max-pending", type=int, default=None, help="router: requests at once (default: the router's 512)")
     c.add_argument("--routing", choices=ROUTING_POLICIES, default=DEFAULT_ROUTING,
                    help="router: the routing policy (as epdserve serve --routing)")

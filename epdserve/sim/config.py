@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from epdserve.cluster.messages import MAX_RESERVE_WAIT_S
+from epdserve.config import ENCODE_BATCH_IMAGES
 from epdserve.errors import ConfigError
 from epdserve.router.admission import ADMISSION_POLICIES, DEFAULT_MAX_PENDING, DEFAULT_MAX_WAITING_PER_WORKER
 from epdserve.router.role_control import RoleControlConfig
@@ -30,7 +31,7 @@ class SimConfig:
     # Where a request's images sit in its prompt: after its text (as bench's random-mm and chat
     # clients send them: the text is prefilled while the images encode) or before it.
     images_after_text: bool = True
-    encode_max_batch_images: int = 8
+    encode_max_batch_images: int = ENCODE_BATCH_IMAGES
     max_detail_requests: int = 10_000  # requests that keep inter-token gaps and timing
     is_fast_forward: bool = True  # decode-only stretches in bulk (same result as stepping)
     # Instances share hosts in creation order (encode, prefill, decode / colocated), this many

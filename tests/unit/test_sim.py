@@ -625,3 +625,25 @@ def test_predictive_admission_and_service_classes_in_the_simulator():
     assert predictive["interactive"]["attainment_of_completed"] >= 0.9
     assert predictive["batch"]["num_refused"] == 0  # deferred, not refused
     assert queue["interactive"]["num_requests"] == predictive["interactive"]["num_requests"] > 100
+
+
+def test_encoder_batches_as_many_images_as_serve_does_by_default():
+    """simulate's encoder takes serve's default images per forward pass (one rule:
+    config.ENCODE_BATCH_IMAGES): three requests with one image each, all at once, are three
+    batches, not one of three."""
+    import argparse
+
+    from epdserve.cluster.encode_worker import EncodeWorkerOptions
+    from epdserve.config import ENCODE_BATCH_IMAGES
+    from epdserve.router.serve import add_serve_args
+    from epdserve.sim.cli import add_simulate_parser
+
+    serve = argparse.ArgumentParser()
+    add_serve_args(serve)
+    simulate = add_simulate_parser(argparse.ArgumentParser().add_subparsers())
+    assert ENCODE_BATCH_IMAGES == 1
+    assert serve.get_default("encode_batch_images") == simulate.get_default("encode_batch_images") == 1
+    assert EncodeWorkerOptions.__dataclass_fields__["max_batch_images"].default == 1
+    w = fixed_workload([0.0, 0.0, 0.0], [32, 32, 32], [2, 2, 2], num_images=1, tiles_per_image=1)
+    sim, _ = run(profile_dict(), "encode=1,prefill=1,decode=1", w, link_bytes_per_s=1e6)
+    assert next(i for i in sim.instances if i.worker.role == "encode").num_steps == 3
