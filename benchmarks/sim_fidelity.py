@@ -95,7 +95,7 @@ from epdserve.bench.experiments.report import (
 from epdserve.bench.traces import read_any_trace
 from epdserve.envs import get_traces_dir
 from epdserve.planner import slo as host_slo
-from epdserve.planner.calibrate import neighbour_split, read_step_trace, step_parts
+from epdserve.planner.calibrate import neighbour_split, predict_steps, read_step_trace
 from epdserve.sim.cost_model import CostModel
 from epdserve.sim.topology import parse_topology
 
@@ -657,11 +657,9 @@ def step_ratios(trace_dir: Path, windows: list[tuple[float, float]], cost: CostM
         if not keep.any():
             continue
         role = cost.role(trace.role)
-        predicted = step_parts(role.step, trace.shapes).sum(axis=1)
         sharing, overlap = neighbour_split(trace, traces)
-        if role.neighbour_step is not None:
-            predicted = predicted + overlap * step_parts(role.neighbour_step, trace.shapes).sum(axis=1)
-        predicted = predicted * sharing  # its core time-shared with workers mid-step on it
+        # its core time-shared with the workers mid-step on it
+        predicted = predict_steps(role, trace.shapes, overlap) * sharing
         prefills = np.array([s.num_prefill_tokens > 0 for s in trace.shapes])
         role_sums = sums.setdefault(trace.role, {"prefill": [0.0, 0.0, 0], "decode": [0.0, 0.0, 0]})
         for kind, mask in (("prefill", prefills & keep), ("decode", ~prefills & keep)):

@@ -42,7 +42,7 @@ import numpy as np
 
 from epdserve.engine.step_shape import StepShape
 from epdserve.errors import ConfigError
-from epdserve.sim.cost_model import STEP_ROLES, CostModel, EncodeCost, StepCost
+from epdserve.sim.cost_model import STEP_ROLES, CostModel, EncodeCost, RoleProfile, StepCost
 from epdserve.sim.nnls import nnls
 
 MIN_STEPS = 10  # a role needs at least this many traced steps to be calibrated
@@ -356,6 +356,15 @@ def calibrate(cost: CostModel, trace_dir: Path, since: float | None = None, wind
     return replace(cost, roles=roles, encode=encode, raw=raw), result
 
 
+def predict_steps(role: RoleProfile, shapes: list[StepShape], overlap: np.ndarray) -> np.ndarray:
+    """Each step's time alone on its cores as the profile predicts it: the step cost, plus the
+    neighbour step (where the role has one) by the neighbours' busy share, as the simulator
+    applies it."""
+    predicted = step_parts(role.step, shapes).sum(axis=1)
+    if role.neighbour_step is not None:
+        predicted = predicted + overlap * step_parts(role.neighbour_step, shapes).sum(axis=1)
+    return predicted
+
 
 def refresh(cost: CostModel, trace_dir: Path, since: float | None = None,
             windows: list[tuple[float, float]] | None = None) -> tuple[CostModel, dict[str, dict]]:
@@ -374,11 +383,8 @@ def refresh(cost: CostModel, trace_dir: Path, since: float | None = None,
         if len(walls) < MIN_STEPS:
             raise _too_few(role, len(walls), trace_dir, since, windows)
         old = roles[role]
-        shapes = [s for g in groups for s in g[1]]
-        predicted = step_parts(old.step, shapes).sum(axis=1)
-        if old.neighbour_step is not None:
-            overlap = np.concatenate([g[2] for g in groups])
-            predicted += overlap * step_parts(old.neighbour_step, shapes).sum(axis=1)
+        shapes, overlap = [s for g in groups for s in g[1]], np.concatenate([g[2] for g in groups])
+        predicted = predict_steps(old, shapes, overlap)
         f = float(walls.sum() / max(predicted.sum(), 1e-12))
         neighbour = None if old.neighbour_step is None else old.neighbour_step.scaled(f)
         roles[role] = replace(old, step=old.step.scaled(f), neighbour_step=neighbour)
