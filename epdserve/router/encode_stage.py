@@ -176,11 +176,27 @@ class EncodeStage:
 
     # -- progress ------------------------------------------------------------------------
     def on_encode_done(self, sender: str, msg: m.EncodeDone) -> None:
-        self.jobs_per_encoder.get(sender, set()).discard((msg.request_id, msg.image_index))
-        self.quarantined.get(sender, set()).discard((msg.request_id, msg.image_index))
+        job = (msg.request_id, msg.image_index)
+        assigned, held = self.jobs_per_encoder.get(sender, set()), self.quarantined.get(sender, set())
+        if job not in assigned and job not in held:
+            return  # answered already, or never this encoder's job
+        assigned.discard(job)
+        held.discard(job)
+        if msg.ok:  # counted whatever became of the request: over TCP the landing can come first
+            self.metrics.embedding_bytes.inc(msg.num_bytes)
+            self.metrics.encode_time.observe(max(0.0, msg.encode_end - msg.encode_start))
+            self.metrics.encoder_cache_hits.inc(int(msg.is_cache_hit))
         path = self.owner.paths.get(msg.request_id)
-        if path is None or path.mm is None or msg.image_index not in path.mm.pending_jobs:
+        if path is None or path.mm is None:
             return
+        timing = path.handle.timing
+        if msg.ok:
+            timing.record(EventType.ENCODE_START, msg.encode_start)
+            timing.record(EventType.ENCODE_END, time.time())
+            timing.embed_transfer_s += msg.write_s
+            timing.num_encoder_cache_hits += int(msg.is_cache_hit)
+        if msg.image_index not in path.mm.pending_jobs:
+            return  # landed (TCP) before its encoder's report, or its encoder was given up on
         is_tcp = msg.via_tcp
         if msg.ok and is_tcp and not path.mm.is_consumer_closed:
             # Sent is not landed: the job ends when the consumer reports the landing (or that
@@ -188,15 +204,7 @@ class EncodeStage:
             path.mm.sent_indices.add(msg.image_index)
         else:
             del path.mm.pending_jobs[msg.image_index]
-        timing = path.handle.timing
         if msg.ok:
-            timing.record(EventType.ENCODE_START, msg.encode_start)
-            timing.record(EventType.ENCODE_END, time.time())
-            timing.embed_transfer_s += msg.write_s
-            timing.num_encoder_cache_hits += int(msg.is_cache_hit)
-            self.metrics.embedding_bytes.inc(msg.num_bytes)
-            self.metrics.encode_time.observe(max(0.0, msg.encode_end - msg.encode_start))
-            self.metrics.encoder_cache_hits.inc(int(msg.is_cache_hit))
             if not path.done and not is_tcp:
                 self.channel.post(path.mm.consumer, m.EmbeddingReady(path.path_id, msg.image_index))
         elif not path.done:
