@@ -52,7 +52,10 @@ worker share core 0).
    real runs' mean, lowest and highest; the simulated value (mean over the runs' replays); whether
    it lies inside the real band [lowest, highest] widened by 5 % of the real mean on each side;
    and its error against the real mean. Goal: >= 90 % of the cell-metrics inside, and the mean
-   absolute error over the cells <= 10 % for TTFT P50, TPOT P50 and goodput. For every cell
+   absolute error over the cells <= 10 % for TTFT P50, TPOT P50 and goodput. Beside it, SLO
+   attainment (the share of requests meeting the SLO) simulated against the real mean, in points,
+   as DistServe judges its simulator: goodput's relative error grows without bound where the
+   real goodput nears zero, attainment's difference in points does not. For every cell
    that misses, the step traces of its runs say which term of the cost model is off: per role,
    the served / predicted time of steps that prefill and of decode-only steps.
 
@@ -121,6 +124,7 @@ BAND_WIDEN = 0.05  # the real band [lowest, highest] widened by this share of th
 GOAL_INSIDE = 0.90  # share of cell-metrics whose simulated value lies inside the widened band
 GOAL_MAE = 0.10  # mean |error against the real mean| over the cells, for MAE_METRICS
 MAE_METRICS = ("ttft_p50_ms", "tpot_p50_ms", "goodput")
+SIDE_METRICS = ("attainment",)  # summarized per cell and reported, not judged against the goal
 TARGET_ATTAINMENT = 0.9
 WARMUP_SEED = 1000
 LEVEL_SEED = 1  # a level's seed: LEVEL_SEED + its index among all (workload, level) cells, the same every round
@@ -610,9 +614,9 @@ def summarize_cell(real_runs: list[dict], sim_runs: list[dict]) -> dict[str, dic
     the runs' replays), the real band widened by BAND_WIDEN of the real mean on each side,
     whether the simulated value lies inside it, and its error against the real mean."""
     out: dict[str, dict | None] = {}
-    for m in METRICS:
-        real = [r[m] for r in real_runs if r[m] is not None]
-        sim = [s[m] for s in sim_runs if s[m] is not None]
+    for m in (*METRICS, *SIDE_METRICS):
+        real = [r[m] for r in real_runs if r.get(m) is not None]
+        sim = [s[m] for s in sim_runs if s.get(m) is not None]
         if not real or not sim:
             out[m] = None
             continue
@@ -627,11 +631,17 @@ def summarize_cell(real_runs: list[dict], sim_runs: list[dict]) -> dict[str, dic
 
 def judge(cells: list[dict], key: str) -> dict:
     """Over all cells, for the simulation ``key``: cell-metrics inside their band, and the mean
-    absolute error per metric; the goal met or not."""
+    absolute error per metric; the goal met or not. Beside it, SLO attainment: the mean and the
+    largest absolute difference between simulated and real mean, in points (cells that have it)."""
     inside = total = 0
     errors: dict[str, list[float]] = {m: [] for m in METRICS}
+    points: list[float] = []
     for c in cells:
-        for m, v in c[key].items():
+        attainment = c[key].get("attainment")
+        if attainment is not None:
+            points.append(100 * abs(attainment["sim"] - attainment["real_mean"]))
+        for m in METRICS:
+            v = c[key].get(m)
             if v is None:
                 continue
             total += 1
@@ -641,7 +651,10 @@ def judge(cells: list[dict], key: str) -> dict:
     mae = {m: statistics.fmean(e) if e else None for m, e in errors.items()}
     share = inside / total if total else 0.0
     is_met = share >= GOAL_INSIDE and all(mae[m] is not None and mae[m] <= GOAL_MAE for m in MAE_METRICS)
-    return {"num_inside": inside, "num_cell_metrics": total, "inside_share": share, "mae": mae, "is_met": is_met}
+    attainment_points = ({"mean": statistics.fmean(points), "max": max(points), "num_cells": len(points)}
+                         if points else None)
+    return {"num_inside": inside, "num_cell_metrics": total, "inside_share": share, "mae": mae, "is_met": is_met,
+            "attainment_points": attainment_points}
 
 
 def step_ratios(trace_dir: Path, windows: list[tuple[float, float]], cost: CostModel) -> dict[str, dict]:
@@ -722,13 +735,22 @@ def format_judgement(j: dict) -> str:
     return (f"Inside the widened band: {j['num_inside']} of {j['num_cell_metrics']} cell-metrics "
             f"({100 * j['inside_share']:.0f} %; goal ≥ {100 * GOAL_INSIDE:.0f} %). Mean absolute error against the "
             f"real mean: {mae} (goal ≤ {100 * GOAL_MAE:.0f} % for {', '.join(MAE_METRICS)}). "
-            f"**Goal {'met' if j['is_met'] else 'not met'}.**")
+            f"**Goal {'met' if j['is_met'] else 'not met'}.**"
+            + format_attainment(j.get("attainment_points")))
+
+
+def format_attainment(points: dict | None) -> str:
+    if points is None:
+        return ""
+    return (f" SLO attainment, simulated against the real mean (not part of the goal): "
+            f"{points['mean']:.1f} points apart on average, {points['max']:.1f} at most, "
+            f"over {points['num_cells']} cells.")
 
 
 def format_attribution(cells: list[dict]) -> str:
     rows = []
     for c in cells:
-        missed = [m for m, v in c["sim"].items() if v is not None and not v["is_inside"]]
+        missed = [m for m in METRICS if c["sim"].get(m) is not None and not c["sim"][m]["is_inside"]]
         ratios = c.get("step_ratios") or {}
         parts = [f"{role}: " + ", ".join(f"{'prefill' if k == 'prefill' else 'decode-only'} "
                                         f"×{r['served_over_predicted']:.3f} ({r['num_steps']})"

@@ -19,7 +19,8 @@ _spec.loader.exec_module(sim_fidelity)
 def runs(**values):
     """Per-run metric dicts from per-metric lists (every other metric None)."""
     n = len(next(iter(values.values())))
-    return [{m: (values[m][i] if m in values else None) for m in sim_fidelity.METRICS} for i in range(n)]
+    names = (*sim_fidelity.METRICS, *sim_fidelity.SIDE_METRICS)
+    return [{m: (values[m][i] if m in values else None) for m in names} for i in range(n)]
 
 
 def test_band_is_the_runs_range_widened_by_five_percent_of_their_mean():
@@ -46,6 +47,21 @@ def test_judge_counts_cell_metrics_and_averages_absolute_errors():
     assert not j["is_met"]  # 83 % inside, below 90 %
     assert sim_fidelity.judge([cell(0.04, -0.02, True)], "sim")["is_met"]
     assert not sim_fidelity.judge([cell(0.04, -0.02, False)], "sim")["is_met"]  # TPOT 20 % off
+
+
+def test_attainment_is_reported_in_points_beside_the_goal_and_not_judged():
+    """A collapsed cell: real goodput near zero makes goodput's relative error large while the
+    simulated share of requests meeting the SLO is a few points off."""
+    real = runs(goodput=[0.0, 0.02, 0.04], attainment=[0.0, 0.01, 0.02])
+    collapsed = {"sim": sim_fidelity.summarize_cell(real, runs(goodput=[0.05], attainment=[0.03]))}
+    held = {"sim": sim_fidelity.summarize_cell(runs(goodput=[2.0], attainment=[0.95]),
+                                               runs(goodput=[2.0], attainment=[0.90]))}
+    assert collapsed["sim"]["goodput"]["error"] == pytest.approx(1.5)
+    j = sim_fidelity.judge([collapsed, held], "sim")
+    assert j["num_cell_metrics"] == 2  # goodput twice; attainment is not a judged cell-metric
+    assert j["attainment_points"] == pytest.approx({"mean": 3.5, "max": 5.0, "num_cells": 2})
+    assert "3.5 points apart on average, 5.0 at most, over 2 cells" in sim_fidelity.format_judgement(j)
+    assert sim_fidelity.judge([{"sim": {"goodput": None}}], "sim")["attainment_points"] is None
 
 
 def test_rejudge_replays_the_stored_runs_in_the_simulator_as_it_is_now(tmp_path):
