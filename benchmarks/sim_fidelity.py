@@ -47,7 +47,10 @@ worker share core 0).
    counted them less the image tokens the simulator adds itself, output tokens) and replayed by
    ``epdserve simulate`` (with the workload's images) on the first-round profile, on its round's
    tracked profile, on the stretch profile and on the offline profile; every worker of a
-   topology shares one simulated host (``--instances-per-host``).
+   topology shares one simulated host (``--instances-per-host``). A diagnostic beside them: each
+   run replayed on the first-round profile refreshed on that run's own traced steps (the host's
+   speed during the run, measured on the run): what it still misses is the simulator's
+   scheduling and queueing, what it gains over the others is the host's change of speed.
 5. Per cell (topology, workload, level) and metric (TTFT P50/P99, TPOT P50/P99, goodput): the
    real runs' mean, lowest and highest; the simulated value (mean over the runs' replays); whether
    it lies inside the real band [lowest, highest] widened by 5 % of the real mean on each side;
@@ -376,13 +379,15 @@ def write_trace(result: dict, path: Path, num_image_tokens: int = 0) -> None:
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
 
 
-def simulate(profile: Path, topology: str, workload: list[str], slo: Slo, out: Path, log: list[str]) -> dict:
+def simulate(profile: Path, topology: str, workload: list[str], slo: Slo, out: Path, log: list[str],
+             num_cores: int | None = None) -> dict:
     """``workload``: the simulate flags of the requests; every worker of ``topology`` shares
-    this one host."""
+    this one host of ``num_cores`` cores (default: the cores this process may use)."""
     num_workers = parse_topology(topology).num_instances
+    num_cores = num_cores or len(available_cores())
     run_logged(epdserve("simulate", "--profile", str(profile), "--topology", topology, *workload,
                         *slo.goodput_args(), "--max-model-len", str(MAX_MODEL_LEN),
-                        "--instances-per-host", str(num_workers), "--cores-per-host", str(len(available_cores())),
+                        "--instances-per-host", str(num_workers), "--cores-per-host", str(num_cores),
                         "--out", str(out), "--quiet"), log)
     return json.loads(out.read_text())
 
@@ -594,6 +599,30 @@ def tracked_profiles(first: Path, trace_dirs: list[Path], windows: list[tuple[in
     return paths
 
 
+def own_speed_profiles(first: Path, trace_dirs: list[Path],
+                       runs: list[tuple[str, int, tuple[float, float]]], fallback: dict[str, Path], stem: str,
+                       out_dir: Path, log: list[str]) -> dict[str, Path]:
+    """Per judged run (tag, round, window), for ``sim_own``: the first round's calibrated profile
+    refreshed on that run's own traced steps (``epdserve calibrate --refresh``): the host's speed
+    during the run, measured on the run itself. A diagnostic, not a prediction: what the replay
+    then misses is the simulator's scheduling and queueing, not a change of the host's speed. A
+    run whose steps cannot be refreshed on (too few of a role's) keeps ``fallback[tag]``."""
+    paths = {}
+    for tag, k, (a, b) in runs:
+        out = out_dir / f"{stem}_own_{tag}.json"
+        cmd = epdserve("calibrate", "--refresh", "--profile", str(first), "--step-trace-dir",
+                       str(trace_dirs[k]), f"--window={a:.6f}:{b:.6f}", "--out", str(out))
+        log.append("epdserve " + shlex.join(cmd[3:]))
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if proc.returncode == 0:
+            paths[tag] = out
+        else:
+            print(f"{tag}: no own-speed profile ({proc.stderr.strip()[-300:]}); its round's profile instead",
+                  flush=True)
+            paths[tag] = fallback[tag]
+    return paths
+
+
 def merged_trace_dir(state: TopologyState, out: Path) -> Path:
     """Every round's step traces in one directory (links named by round): rounds never overlap
     in time, so each step's busy neighbours are still its own server's."""
@@ -702,6 +731,10 @@ PROFILE_KEYS = {
     "sim": "the profile calibrated before the judged runs",
     "sim_tracked": ("the profile calibrated before the judged runs, refreshed in each later round on that "
                     "round's calibration run (epdserve calibrate --refresh)"),
+    "sim_own": ("each judged run's own step speed: the profile calibrated before the judged runs, "
+                "refreshed on the judged run's own traced steps (a diagnostic, not a prediction, and not "
+                "judged against the goal: what it misses is the simulator's scheduling and queueing, not "
+                "the host's speed)"),
     "sim_stretch": "the profile calibrated over the stretch",
     "sim_offline": "the offline profile",
 }
@@ -730,12 +763,13 @@ def format_cells(cells: list[dict], key: str) -> str:
     return markdown_table(headers, rows)
 
 
-def format_judgement(j: dict) -> str:
+def format_judgement(j: dict, is_diagnostic: bool = False) -> str:
     mae = ", ".join(f"{m} {100 * j['mae'][m]:.1f} %" if j["mae"][m] is not None else f"{m} —" for m in METRICS)
     return (f"Inside the widened band: {j['num_inside']} of {j['num_cell_metrics']} cell-metrics "
             f"({100 * j['inside_share']:.0f} %; goal ≥ {100 * GOAL_INSIDE:.0f} %). Mean absolute error against the "
             f"real mean: {mae} (goal ≤ {100 * GOAL_MAE:.0f} % for {', '.join(MAE_METRICS)}). "
-            f"**Goal {'met' if j['is_met'] else 'not met'}.**"
+            + ("(A diagnostic: not judged against the goal.)" if is_diagnostic
+               else f"**Goal {'met' if j['is_met'] else 'not met'}.**")
             + format_attainment(j.get("attainment_points")))
 
 
@@ -785,6 +819,10 @@ def write_plots(cells: list[dict], out_dir: Path) -> list[Path]:
             if tracked is not None:
                 ax.plot(i, tracked["sim"], "g.", markersize=8, label="simulated (refreshed each round)"
                         if i == 0 else None)
+            own = c.get("sim_own", {}).get(m)
+            if own is not None:
+                ax.plot(i, own["sim"], "m^", markersize=5, label="simulated (each run's own step speed)"
+                        if i == 0 else None)
             stretch = c.get("sim_stretch", {}).get(m)
             if stretch is not None:
                 ax.plot(i, stretch["sim"], "b+", markersize=8, label="simulated (calibrated over the stretch)"
@@ -826,9 +864,11 @@ def build_report(cells: list[dict], judgements: dict[str, dict], scale: Scale, r
         lines += [f"## Simulated on {what}", ""]
         if key == "sim_tracked":
             lines += [*format_refreshes(cells), ""]
+        elif key == "sim_own":
+            lines += [format_own_speeds(cells), ""]
         elif key != "sim_offline":
             lines += [*format_factors(calibration_factors(cells, key)), ""]
-        lines += [format_cells(cells, key), "", format_judgement(judgements[key]), ""]
+        lines += [format_cells(cells, key), "", format_judgement(judgements[key], key in DIAGNOSTIC_KEYS), ""]
     lines += ["## Where the cells that miss are off", "",
               ("Per cell, the step traces of its real runs against the profile calibrated before them: each role's "
                "time in service over the profile's prediction (its neighbour term included), for steps that computed "
@@ -905,6 +945,27 @@ def format_refreshes(cells: list[dict]) -> list[str]:
     return lines
 
 
+def format_own_speeds(cells: list[dict]) -> str:
+    """The host's speed during each judged run: per cell and round, each role's served steps
+    over the first round's profile (the factors of the run's ``sim_own`` refresh)."""
+    rounds = max(c["num_runs"] for c in cells)
+    rows = []
+    for c in cells:
+        row = [cell_label(c)]
+        for path in c.get("profiles", {}).get("sim_own", []):
+            refresh = json.loads(Path(path).read_text()).get("calibration", {}).get("refresh")
+            if "_own_" not in Path(path).name or refresh is None:
+                row.append("— (its round's profile)")
+            else:
+                row.append(", ".join(f"{role} × {f['factor']:.3f}"
+                                     for role, f in refresh["factors"].items()))
+        rows.append(row + [""] * (rounds + 1 - len(row)))
+    return ("The host's speed in each judged run, from the run's own step traces: each role's steps "
+            "(time alone on their cores) over the prediction of the profile calibrated before the judged "
+            "runs.\n\n"
+            + markdown_table(["cell", *(f"round {k + 1}" for k in range(rounds))], rows))
+
+
 def calibration_factors(cells: list[dict], key: str) -> dict[str, dict]:
     """Per topology, the calibration record of the profile simulation ``key`` ran on."""
     out = {}
@@ -930,6 +991,10 @@ def judge_runs(states: dict[str, TopologyState], loads: dict[str, list[Workload]
             profiles = {"sim": state.first_profile, "sim_stretch": stretch, "sim_offline": profile}
             tracked = tracked_profiles(state.first_profile, state.trace_dirs, state.calibration_windows,
                                        f"profile_calibrated_{name}", out_dir, log)
+            own = own_speed_profiles(state.first_profile, state.trace_dirs,
+                                     [(r.tag, r.round_index, r.window) for r in state.runs],
+                                     {r.tag: tracked[r.round_index] for r in state.runs},
+                                     f"profile_calibrated_{name}", out_dir, log)
         attribution_cost = CostModel.load(profiles["sim"])
         groups: dict[tuple[str, float], list[RealRun]] = {}
         for run in state.runs:
@@ -943,10 +1008,12 @@ def judge_runs(states: dict[str, TopologyState], loads: dict[str, list[Workload]
             real_runs = [score(r, slo) for r in reals]
             cell = {"topology": topology, "workload": workload, "load": level, "rate": runs[0].rate, "slo": slo,
                     "num_runs": len(runs), "real_runs": real_runs, "tags": [r.tag for r in runs],
+                    "num_cores": len(available_cores()),  # the real servers' host, for every replay
                     "other_work_share": max(r.other_work_share for r in runs),
                     "profiles": {k: str(v) for k, v in profiles.items()}}
             if "sim_stretch" in profiles:  # calibrated: each run on its own round's refreshed profile too
                 cell["profiles"]["sim_tracked"] = [str(tracked[r.round_index]) for r in runs]
+                cell["profiles"]["sim_own"] = [str(own[r.tag]) for r in runs]
             for run, real in zip(runs, reals):
                 write_trace(real, out_dir / f"trace_{run.tag}.jsonl", num_image_tokens)
             for key, path in cell["profiles"].items():
@@ -965,8 +1032,9 @@ def judge_runs(states: dict[str, TopologyState], loads: dict[str, list[Workload]
     return cells
 
 
-PROFILE_SUFFIXES = {"sim": "", "sim_tracked": "_tracked", "sim_stretch": "_stretch",
+PROFILE_SUFFIXES = {"sim": "", "sim_tracked": "_tracked", "sim_own": "_own", "sim_stretch": "_stretch",
                     "sim_offline": "_offline"}  # in replay file names
+DIAGNOSTIC_KEYS = ("sim_own",)  # reported, never said to meet the goal
 
 
 def replay_cell(cell: dict, key: str, profile: str | Path | list, images: list[str], out_dir: Path,
@@ -978,7 +1046,7 @@ def replay_cell(cell: dict, key: str, profile: str | Path | list, images: list[s
     paths = profile if isinstance(profile, list) else [profile] * len(cell["tags"])
     sims = [simulate(Path(path), cell["topology"],
                      ["--workload", "trace", str(out_dir / f"trace_{tag}.jsonl"), *images],
-                     slo, out_dir / f"{prefix}{PROFILE_SUFFIXES[key]}_{tag}.json", log)
+                     slo, out_dir / f"{prefix}{PROFILE_SUFFIXES[key]}_{tag}.json", log, cell["num_cores"])
             for tag, path in zip(cell["tags"], paths)]
     cell[f"{key}_runs"] = [score(sim, slo) for sim in sims]
     cell[key] = summarize_cell(cell["real_runs"], cell[f"{key}_runs"])
@@ -1017,10 +1085,22 @@ def recalibrate(results: dict, out_dir: Path, log: list[str], first_windows: lis
                                                               for k, a, b in state["calibration_windows"]],
                                    f"rejudged_profile_calibrated_{name}", out_dir, log)
         round_of = {r["tag"]: int(r["round_index"]) for r in state["runs"]}
+        runs = [(r["tag"], int(r["round_index"]), tuple(r["window"])) for r in state["runs"]]
+        own = own_speed_profiles(first, merged.trace_dirs, runs,
+                                 {tag: tracked[k] for tag, k in round_of.items()},
+                                 f"rejudged_profile_calibrated_{name}", out_dir, log)
         for cell in results["cells"]:
             if cell["topology"] == topology:
                 cell["profiles"].update(sim=str(first), sim_stretch=str(stretch),
-                                        sim_tracked=[str(tracked[round_of[tag]]) for tag in cell["tags"]])
+                                        sim_tracked=[str(tracked[round_of[tag]]) for tag in cell["tags"]],
+                                        sim_own=[str(own[tag]) for tag in cell["tags"]])
+
+
+def recorded_cores(profile: Path) -> int:
+    """The cores of the host a run's offline profile was measured on (a run that measured its
+    own), else those this process may use."""
+    host = json.loads(profile.read_text()).get("host", {})
+    return int(host.get("num_cores") or len(available_cores()))
 
 
 def rejudge(out_dir: Path, redo_calibration: bool = False, first_windows: list[int] | None = None) -> str:
@@ -1036,6 +1116,8 @@ def rejudge(out_dir: Path, redo_calibration: bool = False, first_windows: list[i
     if redo_calibration:
         recalibrate(results, out_dir, log, first_windows)
     cells = results["cells"]
+    for cell in cells:  # replayed on the real run's cores, not on those of this process
+        cell.setdefault("num_cores", recorded_cores(Path(results["profile"])))
     for cell in cells:
         topology = cell["topology"]
         workload = next(w for w in workloads(scale, topology, results["with_azure"]) if w.name == cell["workload"])

@@ -72,7 +72,7 @@ def test_rejudge_replays_the_stored_runs_in_the_simulator_as_it_is_now(tmp_path)
     from sim_profiles import profile_dict
 
     profile = tmp_path / "profile.json"
-    profile.write_text(json.dumps(profile_dict()))
+    profile.write_text(json.dumps({**profile_dict(), "host": {"num_cores": 3}}))  # the real run's host
     # One request of 32 prompt tokens alone on a colocated instance: TTFT 0.01 + 32 x 1e-3 s.
     (tmp_path / "trace_c_r1.jsonl").write_text(json.dumps({"timestamp": 0, "input_length": 32, "output_length": 3}) + "\n")
     real = runs(ttft_p50_ms=[40.0, 44.0], goodput=[1.0, 1.0])
@@ -92,6 +92,9 @@ def test_rejudge_replays_the_stored_runs_in_the_simulator_as_it_is_now(tmp_path)
     assert out["judgements"]["sim"]["num_cell_metrics"] >= 1
     assert (tmp_path / "rejudged_c_r1.json").is_file() and "--rejudge" in report
     assert (tmp_path / "report_rejudged.md").read_text() == report
+    # replayed on the cores of the host the real runs had (the profile's record), not this process's
+    assert out["cells"][0]["num_cores"] == 3
+    assert all("--cores-per-host 3" in c for c in out["rejudged_commands"] if " simulate " in c)
     assert json.loads((tmp_path / "results.json").read_text())["cells"][0]["sim"] == {}  # the run's own left alone
     # --recalibrate: the run's calibration redone from its step traces (the first round's
     # windows) by calibrate as it is now; here every traced step took 1.5x the profile's time.
@@ -107,7 +110,7 @@ def test_rejudge_replays_the_stored_runs_in_the_simulator_as_it_is_now(tmp_path)
          *(json.dumps({"t": 10.0 + i, "wall_s": wall, **shape.to_dict()}) for i in range(12))]) + "\n")
     results["states"] = {"colocated=2": {"trace_dirs": [str(steps)], "calibration_windows": [[0, 0.0, 100.0]],
                                          "first_profile": str(profile),
-                                         "runs": [{"tag": "c_r1", "round_index": 0}]}}
+                                         "runs": [{"tag": "c_r1", "round_index": 0, "window": [0.0, 100.0]}]}}
     (tmp_path / "results.json").write_text(json.dumps(results))
     sim_fidelity.rejudge(tmp_path, redo_calibration=True)
     out = json.loads((tmp_path / "results_rejudged.json").read_text())
@@ -183,8 +186,9 @@ def test_tracked_profile_refreshes_each_later_round_on_its_own_calibration_run(t
                "states": {"colocated=2": {"trace_dirs": dirs,
                                           "calibration_windows": [[0, 0.0, 50.0], [1, 100.0, 150.0]],
                                           "first_profile": str(profile),
-                                          "runs": [{"tag": "c_r1", "round_index": 0},
-                                                   {"tag": "c_r2", "round_index": 1}]}}}
+                                          "runs": [{"tag": "c_r1", "round_index": 0, "window": [0.0, 50.0]},
+                                                   {"tag": "c_r2", "round_index": 1,
+                                                    "window": [100.0, 150.0]}]}}}
     (tmp_path / "results.json").write_text(json.dumps(results))
     report = sim_fidelity.rejudge(tmp_path, redo_calibration=True)
     out = json.loads((tmp_path / "results_rejudged.json").read_text())
@@ -199,3 +203,30 @@ def test_tracked_profile_refreshes_each_later_round_on_its_own_calibration_run(t
     refresh = json.loads(Path(c["profiles"]["sim_tracked"][1]).read_text())["calibration"]["refresh"]
     factor = refresh["factors"]["colocated"]["factor"]
     assert factor == pytest.approx(1.2, rel=1e-2) and f"round 2: colocated × {factor:.3f}" in report
+    # sim_own (a diagnostic): each run on the first profile refreshed on the run's own steps
+    own = [str(tmp_path / f"rejudged_profile_calibrated_colocated2_own_c_r{k}.json") for k in (1, 2)]
+    assert c["profiles"]["sim_own"] == own
+    assert [r["ttft_p50_ms"] for r in c["sim_own_runs"]] == pytest.approx([63.0, 75.6], rel=1e-2)
+    assert "The host's speed in each judged run" in report
+    speeds = [json.loads(Path(p).read_text())["calibration"]["refresh"]["factors"]["colocated"]["factor"]
+              for p in own]
+    assert speeds == pytest.approx([1.0, 1.2], rel=1e-2)
+    assert f"| co×2 random 1x | colocated × {speeds[0]:.3f} | colocated × {speeds[1]:.3f} |" in report
+    assert "(A diagnostic: not judged against the goal.)" in report
+
+
+def test_a_run_too_short_to_refresh_on_keeps_its_rounds_profile(tmp_path):
+    import json
+
+    from sim_profiles import profile_dict
+
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps(profile_dict()))
+    steps = tmp_path / "steps_r1"
+    steps.mkdir()
+    (steps / "colocated-0.jsonl").write_text(json.dumps({"worker_id": "colocated-0", "role": "colocated",
+                                                         "num_threads": 1}) + "\n")
+    log: list[str] = []
+    own = sim_fidelity.own_speed_profiles(profile, [steps], [("c_r1", 0, (0.0, 10.0))],
+                                          {"c_r1": profile}, "p", tmp_path, log)
+    assert own == {"c_r1": profile} and "--refresh" in log[0]
