@@ -576,10 +576,20 @@ def run_round(topology: str, round_index: int, profile: Path, state: TopologySta
 
 
 def run_calibrate(profile: Path, trace_dir: Path, windows: list[tuple[float, float]], out: Path,
-                  log: list[str], refresh: bool = False) -> None:
+                  log: list[str], refresh: bool = False, may_fail: bool = False) -> bool:
+    """``epdserve calibrate`` on the steps traced in ``windows``; a failure exits, unless
+    ``may_fail`` (then it is printed and False returned)."""
     spans = [f"--window={a:.6f}:{b:.6f}" for a, b in windows]
-    run_logged(epdserve("calibrate", *(["--refresh"] if refresh else []), "--profile", str(profile),
-                        "--step-trace-dir", str(trace_dir), *spans, "--out", str(out)), log)
+    cmd = epdserve("calibrate", *(["--refresh"] if refresh else []), "--profile", str(profile),
+                   "--step-trace-dir", str(trace_dir), *spans, "--out", str(out))
+    if not may_fail:
+        run_logged(cmd, log)
+        return True
+    log.append("epdserve " + shlex.join(cmd[3:]))
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        print(f"no profile {out.name}: {proc.stderr.strip()[-300:]}", flush=True)
+    return proc.returncode == 0
 
 
 def tracked_profiles(first: Path, trace_dirs: list[Path], windows: list[tuple[int, float, float]], stem: str,
@@ -608,18 +618,10 @@ def own_speed_profiles(first: Path, trace_dirs: list[Path],
     then misses is the simulator's scheduling and queueing, not a change of the host's speed. A
     run whose steps cannot be refreshed on (too few of a role's) keeps ``fallback[tag]``."""
     paths = {}
-    for tag, k, (a, b) in runs:
+    for tag, k, window in runs:
         out = out_dir / f"{stem}_own_{tag}.json"
-        cmd = epdserve("calibrate", "--refresh", "--profile", str(first), "--step-trace-dir",
-                       str(trace_dirs[k]), f"--window={a:.6f}:{b:.6f}", "--out", str(out))
-        log.append("epdserve " + shlex.join(cmd[3:]))
-        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-        if proc.returncode == 0:
-            paths[tag] = out
-        else:
-            print(f"{tag}: no own-speed profile ({proc.stderr.strip()[-300:]}); its round's profile instead",
-                  flush=True)
-            paths[tag] = fallback[tag]
+        is_made = run_calibrate(first, trace_dirs[k], [window], out, log, refresh=True, may_fail=True)
+        paths[tag] = out if is_made else fallback[tag]
     return paths
 
 
