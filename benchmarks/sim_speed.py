@@ -57,6 +57,7 @@ sys.exit(main(sys.argv[1:]))
 def simulate(tree: Path, runner: Path, profile: Path, topology: str, rate: float, num_requests: int,
              out: Path) -> tuple[float, float]:
     """One run; returns (event loop seconds, whole command seconds)."""
+    out, profile = out.resolve(), profile.resolve()  # the command runs elsewhere (cwd below)
     cmd = [sys.executable, str(runner), str(tree), "simulate", "--profile", str(profile), "--topology", topology,
            "--workload", "random", "--random-input-len", "512", "--random-output-len", "128", "--rate", str(rate),
            "--num-requests", str(num_requests), "--max-pending", "1000000", "--max-waiting-per-worker", "1000000",
@@ -75,6 +76,21 @@ def comparable(path: Path) -> dict:
             return [strip(x) for x in d]
         return d
     return strip(json.loads(path.read_text()))
+
+
+def same_result(base: dict, this: dict, where: str = "") -> tuple[bool, list[str]]:
+    """Whether the values both results have are equal, and the keys only one of them has (an
+    output field added or removed between the revisions is not a change of result)."""
+    if isinstance(base, dict) and isinstance(this, dict):
+        is_same, only = True, sorted(f"{where}/{k}" for k in set(base) ^ set(this))
+        for k in set(base) & set(this):
+            s, o = same_result(base[k], this[k], f"{where}/{k}")
+            is_same, only = is_same and s, only + o
+        return is_same, only
+    if isinstance(base, list) and isinstance(this, list) and len(base) == len(this):
+        parts = [same_result(b, t, f"{where}[{i}]") for i, (b, t) in enumerate(zip(base, this))]
+        return all(s for s, _ in parts), [k for _, o in parts for k in o]
+    return base == this, []
 
 
 def main() -> None:
@@ -112,9 +128,13 @@ def main() -> None:
                 name = topology.replace(",", "_").replace("=", "")
                 b = [statistics.median(x) for x in zip(*times[(topology, "base")])]
                 t = [statistics.median(x) for x in zip(*times[(topology, "this")])]
-                same = comparable(out / f"base_{name}.json") == comparable(out / f"this_{name}.json")
+                same, only = same_result(comparable(out / f"base_{name}.json"),
+                                         comparable(out / f"this_{name}.json"))
+                verdict = "yes" if same else "NO"
+                if only:
+                    verdict += f" (fields on one side only: {', '.join(only)})"
                 print(f"| {topology} | {b[0]:.1f} s | {t[0]:.1f} s | {b[0] / t[0]:.2f}x | {b[1]:.1f} s | {t[1]:.1f} s | "
-                      f"{'yes' if same else 'NO'} |")
+                      f"{verdict} |")
         finally:
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base_tree)], check=False)
 
