@@ -306,13 +306,13 @@ def epdserve(*args: str) -> list[str]:
     return [sys.executable, "-m", "epdserve.cli", *args]
 
 
-def run_logged(cmd: list[str], log: list[str]) -> subprocess.CompletedProcess:
-    """Run a command (its output captured), note it in ``log``; exit on failure."""
+def run_logged(cmd: list[str], log: list[str], check: bool = True) -> subprocess.CompletedProcess:
+    """Run a command (its output captured), note it in ``log``; exit on failure if ``check``."""
     shown = "epdserve " + shlex.join(cmd[3:]) if cmd[:3] == epdserve() else shlex.join(cmd)
     log.append(shown)
     print(f"$ {shown}", flush=True)
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    if proc.returncode != 0:
+    if check and proc.returncode != 0:
         sys.exit(f"failed ({proc.returncode}): {shown}\n{proc.stderr.strip()[-2000:]}")
     return proc
 
@@ -582,11 +582,7 @@ def run_calibrate(profile: Path, trace_dir: Path, windows: list[tuple[float, flo
     spans = [f"--window={a:.6f}:{b:.6f}" for a, b in windows]
     cmd = epdserve("calibrate", *(["--refresh"] if refresh else []), "--profile", str(profile),
                    "--step-trace-dir", str(trace_dir), *spans, "--out", str(out))
-    if not may_fail:
-        run_logged(cmd, log)
-        return True
-    log.append("epdserve " + shlex.join(cmd[3:]))
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    proc = run_logged(cmd, log, check=not may_fail)
     if proc.returncode != 0:
         print(f"no profile {out.name}: {proc.stderr.strip()[-300:]}", flush=True)
     return proc.returncode == 0
@@ -1118,8 +1114,9 @@ def rejudge(out_dir: Path, redo_calibration: bool = False, first_windows: list[i
     if redo_calibration:
         recalibrate(results, out_dir, log, first_windows)
     cells = results["cells"]
+    num_cores = recorded_cores(Path(results["profile"]))
     for cell in cells:  # replayed on the real run's cores, not on those of this process
-        cell.setdefault("num_cores", recorded_cores(Path(results["profile"])))
+        cell.setdefault("num_cores", num_cores)
     for cell in cells:
         topology = cell["topology"]
         workload = next(w for w in workloads(scale, topology, results["with_azure"]) if w.name == cell["workload"])

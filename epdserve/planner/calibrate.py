@@ -310,8 +310,9 @@ def _too_few(role: str, num_steps: int, trace_dir: Path, since: float | None,
                        + f"; calibrate needs at least {MIN_STEPS}")
 
 
-def calibrate(cost: CostModel, trace_dir: Path, since: float | None = None, windows: list[tuple[float, float]]
-              | None = None) -> tuple[CostModel, dict[str, RoleCalibration]]:
+def calibrate(cost: CostModel, trace_dir: Path, since: float | None = None,
+              windows: list[tuple[float, float]] | None = None,
+              ) -> tuple[CostModel, dict[str, RoleCalibration]]:
     """The profile with each traced role's step cost scaled to its steps in service: per term
     group, a factor for a step while no other traced worker is mid-step, and the extra while
     they all are (the neighbour step, applied by the share of the host's other instances that
@@ -327,8 +328,8 @@ def calibrate(cost: CostModel, trace_dir: Path, since: float | None = None, wind
         for walls, shapes, overlap, window in groups:
             decode_only = np.array([0 if s.num_prefill_tokens else s.num_decode_seqs for s in shapes],
                                    dtype=np.int64)
-            parts = step_parts(step, shapes)
-            by_role.setdefault(role, []).append((walls, parts, overlap, decode_only, window))
+            by_role.setdefault(role, []).append(
+                (walls, step_parts(step, shapes), overlap, decode_only, window))
     result = {}
     for role, groups in by_role.items():
         walls, parts, overlap, decode_only, window = (np.concatenate(g) for g in zip(*groups))
