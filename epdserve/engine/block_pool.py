@@ -46,9 +46,18 @@ def chain_hashes(hashes: list[bytes], token_ids: list[int], block_size: int, num
     """Extend ``hashes`` (the chained keys of the first blocks of ``token_ids``) in place to
     ``num_blocks`` keys; returns it. The router names a prompt's blocks with this too (prefix
     routing, a decode worker's reservation), so both sides agree on every key."""
-    while len(hashes) < num_blocks:
-        i = len(hashes)
-        hashes.append(hash_block(hashes[-1] if hashes else None, token_ids[i * block_size : (i + 1) * block_size]))
+    i = len(hashes)
+    if i >= num_blocks:
+        return hashes
+    # hash_block's bytes, inlined: this runs for every block of every prompt
+    pack = _TOKEN_PACKERS.get(block_size)
+    blake2b = hashlib.blake2b
+    parent = hashes[-1] if hashes else b"root"
+    for start in range(i * block_size, num_blocks * block_size, block_size):
+        tokens = token_ids[start : start + block_size]
+        data = pack(*tokens) if pack is not None and len(tokens) == block_size else array("q", tokens).tobytes()
+        parent = blake2b(parent + data, digest_size=HASH_BYTES).digest()
+        hashes.append(parent)
     return hashes
 
 
@@ -123,7 +132,12 @@ class BlockPool:
         if num_blocks > self.num_free_blocks:
             raise RuntimeError(f"asked for {num_blocks} blocks, {self.num_free_blocks} free")
         if not self.keep_runs:
-            block_ids = [self._pop_next() for _ in range(num_blocks)]
+            plain = self._plain
+            if len(plain) >= num_blocks:
+                pop = plain.popitem
+                block_ids = [pop(last=False)[0] for _ in range(num_blocks)]
+            else:
+                block_ids = [self._pop_next() for _ in range(num_blocks)]
         else:
             block_ids = []
             limit = self._run_age_limit()

@@ -2,7 +2,7 @@
 
 import pytest
 
-from epdserve.engine.kv_cache import NULL_BLOCK, BlockPool, KVCacheManager, make_group_specs
+from epdserve.engine.kv_cache import NULL_BLOCK, BlockPool, KVCacheManager, chain_hashes, hash_block, make_group_specs
 
 
 def full_only(num_blocks=16, block_size=4, caching=True) -> KVCacheManager:
@@ -31,6 +31,32 @@ def test_pool_never_hands_out_null_block_and_counts():
         pool.allocate(1)
     pool.free(blocks)
     assert pool.num_free_blocks == 3 and not any(pool.ref_counts)
+
+
+def test_chain_hashes_are_hash_block_chained_and_extend_in_place():
+    tokens = list(range(1000, 1000 + 70))  # 4 blocks of 16 and 6 tokens over; ids past one byte
+    expected, parent = [], None
+    for i in range(4):
+        parent = hash_block(parent, tokens[i * 16 : (i + 1) * 16])
+        expected.append(parent)
+    assert chain_hashes([], tokens, 16, 4) == expected
+    known = expected[:2]
+    assert chain_hashes(known, tokens, 16, 4) is known and known == expected
+    assert chain_hashes(list(expected), tokens, 16, 3) == expected  # never shortens
+    # a block size without a packer, and a last block cut short, hash as hash_block does
+    assert chain_hashes([], tokens, 24, 3) == [
+        h := hash_block(None, tokens[:24]), h2 := hash_block(h, tokens[24:48]), hash_block(h2, tokens[48:72])]
+
+
+def test_pool_without_runs_hands_out_the_queue_order():
+    pool = BlockPool(8, enable_caching=True, keep_runs=False)
+    first = pool.allocate(3)
+    assert first == [1, 2, 3]
+    pool.cache_block(2, b"k" * 16)
+    pool.free(first)  # uncached blocks first, most recently freed first; cached after them
+    assert pool.free_queue == [1, 3, 4, 5, 6, 7, 2]
+    assert pool.allocate(2) == [1, 3]  # enough uncached blocks
+    assert pool.allocate(5) == [4, 5, 6, 7, 2] and pool.lookup(b"k" * 16) is None  # then the cached one
 
 
 def test_allocate_grows_table_and_refuses_when_short():
