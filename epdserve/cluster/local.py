@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from epdserve.engine.failures import EXIT_FATAL
 from epdserve.envs import EPDSERVE_CLUSTER_KEY
 from epdserve.errors import ConfigError
-from epdserve.transfer.shm_pool import unlink_segments_of
+from epdserve.transfer.segments import unlink_segments_of
 
 log = logging.getLogger("epdserve.local")
 

@@ -16,8 +16,6 @@ from collections.abc import Sequence
 
 from epdserve.auth import worker_key
 from epdserve.cli_args import add_engine_args, engine_args_from
-from epdserve.cluster.encode_worker import EncodeWorkerOptions, run_encode_worker
-from epdserve.cluster.worker import WorkerOptions, run_worker
 from epdserve.config import ENCODE_BATCH_IMAGES
 from epdserve.errors import EpdserveError
 from epdserve.transfer.locality import TRANSPORTS
@@ -63,6 +61,11 @@ def add_worker_parser(sub) -> None:
 
 def run_worker_command(ns: argparse.Namespace) -> int:
     """The body of ``epdserve worker``: its exit status."""
+    # Imported here: they bring torch, which the other subcommands (simulate, plan, bench,
+    # their --help) never need, and build_parser imports this module for every one of them.
+    from epdserve.cluster.encode_worker import EncodeWorkerOptions, run_encode_worker
+    from epdserve.cluster.worker import WorkerOptions, run_worker
+
     engine_args = engine_args_from(ns) if ns.role != "encode" else None  # bad flags fail before the key is read
     key = worker_key(ns.cluster_key_file)
     cores = tuple(int(c) for c in ns.cores.split(",")) if ns.cores else ()

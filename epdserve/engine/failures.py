@@ -7,7 +7,7 @@ worker exits (its launcher restarts it).
 
 from __future__ import annotations
 
-import torch
+import sys
 
 MAX_MESSAGE_CHARS = 300  # of the exception's own text, in the message a client sees
 # Exit status of a worker process that stopped on a fatal error (sysexits' EX_SOFTWARE).
@@ -19,7 +19,13 @@ def is_fatal(exc: BaseException) -> bool:
     (KeyboardInterrupt, SystemExit): the process must end rather than go on serving."""
     if not isinstance(exc, Exception):
         return True
-    if isinstance(exc, (MemoryError, torch.OutOfMemoryError, torch.AcceleratorError, torch.cuda.CudaError)):
+    if isinstance(exc, MemoryError):
+        return True
+    # torch's own errors, if torch is loaded (no module of this process raised one otherwise):
+    # importing it here would cost the commands that never use it (simulate, plan) two seconds.
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(exc, (torch.OutOfMemoryError, torch.AcceleratorError,
+                                              torch.cuda.CudaError)):
         return True
     # Older code paths report a CUDA failure as a plain RuntimeError; the context is unusable.
     return isinstance(exc, RuntimeError) and "CUDA error" in str(exc)

@@ -20,7 +20,7 @@ import pytest
 from serving import SMALL, Server, start_server, stop_server
 
 from epdserve.cluster.ray_cluster import ROLE_LABEL
-from epdserve.transfer.shm_pool import unlink_segments_of
+from epdserve.transfer.segments import unlink_segments_of
 
 ray = pytest.importorskip("ray", reason="the ray extra is not installed (pip install -e '.[ray]')")
 from ray.cluster_utils import Cluster  # noqa: E402

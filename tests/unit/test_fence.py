@@ -129,7 +129,7 @@ def _endpoint_fields(endpoint: KVEndpoint) -> dict:
 
 
 def test_segments_of_a_dead_process_are_found_by_its_pid(tmp_path):
-    from epdserve.transfer.shm_pool import unlink_segments_of
+    from epdserve.transfer.segments import unlink_segments_of
 
     names = ["epdserve-kv-123-ab12cd34", "epdserve-kv-rank-123-00ff00ff", "epdserve-fence-123-1a2b3c4d",
              "epdserve-state-123-deadbeef", "epdserve-emb-123-01234567",
