@@ -21,12 +21,13 @@ reservation is closed and its blocks handed to another request.
 
 from __future__ import annotations
 
-import os
 import secrets
 import threading
-from multiprocessing import resource_tracker, shared_memory
+from multiprocessing import shared_memory
 
 import numpy as np
+
+from epdserve.transfer.segments import attach_segment, create_segment
 
 
 class ReservationFence:
@@ -39,12 +40,7 @@ class ReservationFence:
         self._segment: shared_memory.SharedMemory | None = None
         size = num_groups * num_blocks * 8
         if shm:
-            name = f"epdserve-fence-{os.getpid()}-{secrets.token_hex(4)}"
-            old_umask = os.umask(0o077)
-            try:
-                self._segment = shared_memory.SharedMemory(name=name, create=True, size=size)
-            finally:
-                os.umask(old_umask)
+            self._segment = create_segment("epdserve-fence", size)
             self.owner = np.ndarray((num_groups, num_blocks), dtype=np.int64, buffer=self._segment.buf)
             self.owner[:] = 0
         else:
@@ -122,11 +118,7 @@ class FenceView:
     """Writer side over shared memory (prefill worker): the decode worker's owner array."""
 
     def __init__(self, shm_name: str, num_groups: int, num_blocks: int) -> None:
-        self._segment = shared_memory.SharedMemory(name=shm_name, create=False)
-        try:  # the owner unlinks the segment, not this process
-            resource_tracker.unregister(self._segment._name, "shared_memory")  # type: ignore[attr-defined]
-        except Exception:
-            pass
+        self._segment = attach_segment(shm_name, num_groups * num_blocks * 8)  # the owner unlinks it
         self.owner = np.ndarray((num_groups, num_blocks), dtype=np.int64, buffer=self._segment.buf)
 
     def admits(self, generation: int, group: int, block_ids: np.ndarray) -> bool:

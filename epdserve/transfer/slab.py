@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import bisect
 import os
-import secrets
 from dataclasses import dataclass
 from multiprocessing import resource_tracker, shared_memory
 
@@ -21,6 +20,7 @@ import torch
 
 from epdserve.transfer.descriptors import SlabEndpoint
 from epdserve.transfer.locality import this_node
+from epdserve.transfer.segments import create_segment
 
 
 @dataclass(frozen=True)
@@ -103,12 +103,7 @@ class EmbeddingSlab:
     def create(cls, num_rows: int, hidden_size: int, dtype: torch.dtype,
                name_prefix: str = "epdserve-emb") -> EmbeddingSlab:
         itemsize = torch.tensor([], dtype=dtype).element_size()
-        name = f"{name_prefix}-{os.getpid()}-{secrets.token_hex(4)}"
-        old_umask = os.umask(0o077)  # readable and writable by this user only
-        try:
-            segment = shared_memory.SharedMemory(name=name, create=True, size=num_rows * hidden_size * itemsize)
-        finally:
-            os.umask(old_umask)
+        segment = create_segment(name_prefix, num_rows * hidden_size * itemsize)
         return cls(segment, True, num_rows, hidden_size, dtype)
 
     @classmethod
