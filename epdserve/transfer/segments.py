@@ -1,4 +1,5 @@
-"""The names of this project's shared-memory segments, and the clean-up of a dead process's.
+"""This project's shared-memory segments: how one is created (named after its creator, owner
+only) and attached, and how a dead process's are found and unlinked.
 
 No torch here: the launcher and the simulator import this, and neither needs torch.
 """
