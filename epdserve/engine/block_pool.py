@@ -34,31 +34,36 @@ _TOKEN_PACKERS = {n: struct.Struct(f"{n}q").pack for n in (1, 2, 4, 8, 16, 32, 6
 HASH_BYTES = 16  # a block key's length
 
 
-def hash_block(parent: bytes | None, token_ids: list[int], extra: bytes = b"") -> bytes:
-    """A block's prefix-cache key: blake2b-128 of the parent block's key, the token ids as
-    native int64 and ``extra``."""
-    pack = _TOKEN_PACKERS.get(len(token_ids))
-    tokens = pack(*token_ids) if pack is not None else array("q", token_ids).tobytes()
-    return hashlib.blake2b((parent or b"root") + tokens + extra, digest_size=HASH_BYTES).digest()
+def hash_block(parent: bytes | None, token_ids: list[int]) -> bytes:
+    """One block's prefix-cache key (``chain_hashes``), after the block ``parent`` names (None:
+    the first block)."""
+    return _chain(parent or b"root", token_ids, len(token_ids), 0, len(token_ids), [])[0]
 
 
 def chain_hashes(hashes: list[bytes], token_ids: list[int], block_size: int, num_blocks: int) -> list[bytes]:
     """Extend ``hashes`` (the chained keys of the first blocks of ``token_ids``) in place to
-    ``num_blocks`` keys; returns it. The router names a prompt's blocks with this too (prefix
-    routing, a decode worker's reservation), so both sides agree on every key."""
-    i = len(hashes)
-    if i >= num_blocks:
+    ``num_blocks`` keys; returns it. A block's key is blake2b-128 of its parent's key (``root``
+    for the first block) and its token ids as native int64. The router names a prompt's blocks
+    with this too (prefix routing, a decode worker's reservation), so both sides agree on every
+    key."""
+    if len(hashes) >= num_blocks:
         return hashes
-    # hash_block's bytes, inlined: this runs for every block of every prompt
+    return _chain(hashes[-1] if hashes else b"root", token_ids, block_size, len(hashes) * block_size,
+                  num_blocks * block_size, hashes)
+
+
+def _chain(parent: bytes, token_ids: list[int], block_size: int, start: int, stop: int,
+           out: list[bytes]) -> list[bytes]:
+    """Append the keys of the blocks of ``token_ids[start:stop]`` after ``parent`` to ``out``.
+    One loop, no call per block: this runs for every block of every prompt."""
     pack = _TOKEN_PACKERS.get(block_size)
     blake2b = hashlib.blake2b
-    parent = hashes[-1] if hashes else b"root"
-    for start in range(i * block_size, num_blocks * block_size, block_size):
-        tokens = token_ids[start : start + block_size]
+    for first in range(start, stop, block_size):
+        tokens = token_ids[first : first + block_size]
         data = pack(*tokens) if pack is not None and len(tokens) == block_size else array("q", tokens).tobytes()
         parent = blake2b(parent + data, digest_size=HASH_BYTES).digest()
-        hashes.append(parent)
-    return hashes
+        out.append(parent)
+    return out
 
 
 RUN_AGE_WINDOW = 64  # BlockPool: how far past the oldest cached free block a run may reach (blocks)

@@ -33,19 +33,28 @@ def test_pool_never_hands_out_null_block_and_counts():
     assert pool.num_free_blocks == 3 and not any(pool.ref_counts)
 
 
-def test_chain_hashes_are_hash_block_chained_and_extend_in_place():
+def test_block_keys_chain_blake2b_of_the_parent_and_the_int64_tokens():
+    """The key format the router and every worker share (a change makes them disagree)."""
+    import hashlib
+    import struct
+
+    def key(parent: bytes, tokens: list[int]) -> bytes:
+        return hashlib.blake2b(parent + struct.pack(f"{len(tokens)}q", *tokens), digest_size=16).digest()
+
     tokens = list(range(1000, 1000 + 70))  # 4 blocks of 16 and 6 tokens over; ids past one byte
-    expected, parent = [], None
+    expected, parent = [], b"root"
     for i in range(4):
-        parent = hash_block(parent, tokens[i * 16 : (i + 1) * 16])
+        parent = key(parent, tokens[i * 16 : (i + 1) * 16])
         expected.append(parent)
     assert chain_hashes([], tokens, 16, 4) == expected
+    assert [hash_block(None, tokens[:16]), hash_block(expected[0], tokens[16:32])] == expected[:2]
     known = expected[:2]
-    assert chain_hashes(known, tokens, 16, 4) is known and known == expected
+    assert chain_hashes(known, tokens, 16, 4) is known and known == expected  # extended in place
     assert chain_hashes(list(expected), tokens, 16, 3) == expected  # never shortens
-    # a block size without a packer, and a last block cut short, hash as hash_block does
-    assert chain_hashes([], tokens, 24, 3) == [
-        h := hash_block(None, tokens[:24]), h2 := hash_block(h, tokens[24:48]), hash_block(h2, tokens[48:72])]
+    # a block size without a packer, and a last block cut short
+    h1 = key(b"root", tokens[:24])
+    h2 = key(h1, tokens[24:48])
+    assert chain_hashes([], tokens, 24, 3) == [h1, h2, key(h2, tokens[48:72])]
 
 
 def test_pool_without_runs_hands_out_the_queue_order():
