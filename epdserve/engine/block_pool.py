@@ -60,7 +60,10 @@ def _chain(parent: bytes, token_ids: list[int], block_size: int, start: int, sto
     blake2b = hashlib.blake2b
     for first in range(start, stop, block_size):
         tokens = token_ids[first : first + block_size]
-        data = pack(*tokens) if pack is not None and len(tokens) == block_size else array("q", tokens).tobytes()
+        if pack is not None and len(tokens) == block_size:
+            data = pack(*tokens)
+        else:
+            data = array("q", tokens).tobytes()
         parent = blake2b(parent + data, digest_size=HASH_BYTES).digest()
         out.append(parent)
     return out

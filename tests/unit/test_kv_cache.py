@@ -2,7 +2,14 @@
 
 import pytest
 
-from epdserve.engine.kv_cache import NULL_BLOCK, BlockPool, KVCacheManager, chain_hashes, hash_block, make_group_specs
+from epdserve.engine.kv_cache import (
+    NULL_BLOCK,
+    BlockPool,
+    KVCacheManager,
+    chain_hashes,
+    hash_block,
+    make_group_specs,
+)
 
 
 def full_only(num_blocks=16, block_size=4, caching=True) -> KVCacheManager:

@@ -1,7 +1,8 @@
 """The commands that model a cluster (simulate, plan) and every subcommand's --help run without
-torch: it costs two to three seconds to import, a large part of a small simulation's time, and
-of each such command a benchmark or a planner script runs. Each check is a fresh interpreter
-that runs the command and then looks at its own modules."""
+torch: it costs two to three seconds to import, a large part of a small simulation's time,
+paid again by each such command a benchmark or planner script runs. Each check is a fresh
+interpreter that builds the parser (all subcommands, as --help does), runs the command and then
+looks at its own modules."""
 
 import json
 import subprocess
@@ -38,6 +39,6 @@ def test_simulate_and_plan_never_import_torch(tmp_path):
                        "--rate", "2", "--num-requests", "8", "--out", str(tmp_path / "sim.json")])
     run_without_torch(["plan", "--profile", str(profile), "--slo", "ttft_p90:1000,tpot_p90:60", "--workload",
                        "random", "--random-input-len", "64", "--random-output-len", "8", "--instances", "2",
-                       "--rate", "2", "--search-requests", "20", "--search-max-requests", "40", "--workers", "1",
-                       "--out", str(tmp_path / "plan.json")])
+                       "--rate", "2", "--search-requests", "20", "--search-max-requests", "40",
+                       "--workers", "1", "--out", str(tmp_path / "plan.json")])
     assert json.loads((tmp_path / "sim.json").read_text())["completed"] == 8
