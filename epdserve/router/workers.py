@@ -344,11 +344,10 @@ class WorkerRegistry:
         """
         by_prefill = self.routing != "least-requests"
         best, best_key = None, None
-        ready = WorkerState.READY
         # One pass, the first of equals (as min() would): it runs for every request, over a
         # hundred workers in a simulated cluster. The first key alone settles most pairs.
         for w in self.workers.values():
-            if w.role != role or w.state is not ready:
+            if w.role != role or not w.is_ready:
                 continue
             first = w.num_prefill_tokens if by_prefill else 0
             if best is not None and first > best_key[0]:
