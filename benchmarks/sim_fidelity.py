@@ -362,8 +362,26 @@ def relative_error(sim: float | None, real: float | None) -> float | None:
     return (sim - real) / real
 
 
+def arrival_times_s(result: dict) -> list[float]:
+    """Each request's arrival at the server, on the bench client's clock: the server's own
+    ``arrived`` stamps (``--return-timing``) less their median offset from the send times. The
+    server is what the simulator models, so it replays the arrivals the server saw: the client's
+    own dispatch jitter on a busy host (up to ~15 ms here) can put two requests sent close
+    together on either side of a step boundary. A request the server never stamped (it failed
+    first) keeps its send time."""
+    sends = result["start_times"]
+    stamps = [t.get("arrived") if isinstance(t, dict) else None
+              for t in result.get("timings") or [None] * len(sends)]
+    offsets = [a - s for s, a in zip(sends, stamps) if a]
+    if not offsets:
+        return list(sends)
+    offset = statistics.median(offsets)
+    return [max(0.0, a - offset) if a else s for s, a in zip(sends, stamps)]
+
+
 def write_trace(result: dict, path: Path, num_image_tokens: int = 0) -> None:
-    """The real run's requests as a Mooncake trace: send time (ms), text prompt and output tokens.
+    """The real run's requests as a Mooncake trace: arrival time at the server (ms,
+    ``arrival_times_s``), text prompt and output tokens.
 
     ``simulate`` adds ``num_image_tokens`` (per request) on top of a record's input length. The
     bench result's ``input_lens`` of a request that succeeded is the server's
@@ -372,7 +390,7 @@ def write_trace(result: dict, path: Path, num_image_tokens: int = 0) -> None:
     off here, else the replay would count them twice. A failed request's length is the dataset's
     (text only: no template, no image) and is kept."""
     lines = []
-    for t, n_in, n_out, error in zip(result["start_times"], result["input_lens"], result["output_lens"],
+    for t, n_in, n_out, error in zip(arrival_times_s(result), result["input_lens"], result["output_lens"],
                                      result["errors"]):
         num_text = n_in if error else max(1, n_in - num_image_tokens)
         lines.append(json.dumps({"timestamp": t * 1e3, "input_length": num_text, "output_length": n_out}))
@@ -1106,8 +1124,9 @@ def rejudge(out_dir: Path, redo_calibration: bool = False, first_windows: list[i
     replay traces) replayed again in the simulator as it is now, on the profiles that run judged
     on (``redo_calibration``: on calibrations redone as ``epdserve calibrate`` is now, from the
     same traces, ``first_windows`` as ``recalibrate`` takes them; the step-time attribution kept
-    either way): a change to the simulator judged
-    without new real runs. Writes results_rejudged.json and report_rejudged.md; returns the report."""
+    either way; the replay traces written again from the stored bench results where they are
+    kept): a change to the simulator judged without new real runs. Writes results_rejudged.json
+    and report_rejudged.md; returns the report."""
     results = json.loads((out_dir / "results.json").read_text(encoding="utf-8"))
     scale = Scale(**{k: tuple(v) if isinstance(v, list) else v for k, v in results["scale"].items()})
     log: list[str] = []
@@ -1120,6 +1139,11 @@ def rejudge(out_dir: Path, redo_calibration: bool = False, first_windows: list[i
     for cell in cells:
         topology = cell["topology"]
         workload = next(w for w in workloads(scale, topology, results["with_azure"]) if w.name == cell["workload"])
+        for tag in cell["tags"]:  # the replay traces written again as judge_runs writes them now
+            real = out_dir / f"real_{tag}.json"
+            if real.exists():
+                write_trace(json.loads(real.read_text()), out_dir / f"trace_{tag}.jsonl",
+                            workload.num_image_tokens(Path(results["profile"])))
         for key, path in cell["profiles"].items():
             replay_cell(cell, key, path, workload.sim_image_args(), out_dir, "rejudged", log)
     judgements = {key: judge(cells, key) for key in PROFILE_KEYS if all(key in c for c in cells)}

@@ -64,6 +64,28 @@ def test_attainment_is_reported_in_points_beside_the_goal_and_not_judged():
     assert sim_fidelity.judge([{"sim": {"goodput": None}}], "sim")["attainment_points"] is None
 
 
+def test_replay_traces_carry_the_arrivals_the_server_stamped(tmp_path):
+    """The replay trace times each request by the server's ``arrived`` stamp, less the stamps'
+    median offset from the send times (another clock): two requests sent 14 ms apart that reached
+    the server 25 ms apart replay 25 ms apart. A request the server never stamped keeps its send
+    time; a result without stamps replays its send times."""
+    import json
+
+    sends = [0.0, 8.645, 8.659, 9.0, 9.5]
+    arrived = [1000.0, 1008.645, 1008.670, 1009.0, None]  # the third came 11 ms late
+    result = {"start_times": sends, "input_lens": [10, 18, 816, 40, 5], "output_lens": [3, 3, 15, 4, 0],
+              "errors": ["", "", "", "", "refused"],
+              "timings": [{"arrived": a} if a else None for a in arrived]}
+    assert sim_fidelity.arrival_times_s(result) == pytest.approx([0.0, 8.645, 8.670, 9.0, 9.5])
+    path = tmp_path / "trace.jsonl"
+    sim_fidelity.write_trace(result, path)
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["timestamp"] for r in records] == pytest.approx([0.0, 8645.0, 8670.0, 9000.0, 9500.0])
+    assert [r["input_length"] for r in records] == [10, 18, 816, 40, 5]
+    del result["timings"]
+    assert sim_fidelity.arrival_times_s(result) == sends
+
+
 def test_rejudge_replays_the_stored_runs_in_the_simulator_as_it_is_now(tmp_path):
     """--rejudge: a finished run's stored replay traces simulated again on the profiles it judged
     on (here a synthetic one: the cost model is not the subject), the cells and goal rewritten."""
