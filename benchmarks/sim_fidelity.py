@@ -43,11 +43,12 @@ worker share core 0).
    the stretch (the host's speed over the same minutes); and the tracked profiles: per later
    round, the first-round profile refreshed (``epdserve calibrate --refresh``: one factor per
    role and one for the encoder, the fitted terms kept) on that round's own calibration run.
-   Each real run's sends are written as a Mooncake trace (send time, prompt tokens as the server
-   counted them less the image tokens the simulator adds itself, output tokens) and replayed by
-   ``epdserve simulate`` (with the workload's images) on the first-round profile, on its round's
-   tracked profile, on the stretch profile and on the offline profile; every worker of a
-   topology shares one simulated host (``--instances-per-host``). A diagnostic beside them: each
+   Each real run's requests are written as a Mooncake trace (arrival at the server, from its
+   own stamps on the client's clock; prompt tokens as the server counted them less the image
+   tokens the simulator adds itself; output tokens) and replayed by ``epdserve simulate``
+   (with the workload's images) on the first-round profile, on its round's tracked profile, on
+   the stretch profile and on the offline profile; every worker of a topology shares one
+   simulated host (``--instances-per-host``). A diagnostic beside them: each
    run replayed on the first-round profile refreshed on that run's own traced steps (the host's
    speed during the run, measured on the run): what it still misses is the simulator's
    scheduling and queueing, what it gains over the others is the host's change of speed.
