@@ -1055,14 +1055,14 @@ DIAGNOSTIC_KEYS = ("sim_own",)  # reported, never said to meet the goal
 
 
 def replay_cell(cell: dict, key: str, profile: str | Path | list, images: list[str], out_dir: Path,
-                prefix: str, log: list[str]) -> None:
-    """Each real run of ``cell`` (its replay trace, trace_<tag>.jsonl) simulated on ``profile``
+                prefix: str, log: list[str], trace: str = "trace") -> None:
+    """Each real run of ``cell`` (its replay trace, <trace>_<tag>.jsonl) simulated on ``profile``
     (a list: one profile per run, in the order of the cell's tags): the runs' scores in
     ``cell[key + "_runs"]`` and the judged summary in ``cell[key]``."""
     slo = Slo(*cell["slo"])
     paths = profile if isinstance(profile, list) else [profile] * len(cell["tags"])
     sims = [simulate(Path(path), cell["topology"],
-                     ["--workload", "trace", str(out_dir / f"trace_{tag}.jsonl"), *images],
+                     ["--workload", "trace", str(out_dir / f"{trace}_{tag}.jsonl"), *images],
                      slo, out_dir / f"{prefix}{PROFILE_SUFFIXES[key]}_{tag}.json", log, cell["num_cores"])
             for tag, path in zip(cell["tags"], paths)]
     cell[f"{key}_runs"] = [score(sim, slo) for sim in sims]
@@ -1126,7 +1126,8 @@ def rejudge(out_dir: Path, redo_calibration: bool = False, first_windows: list[i
     on (``redo_calibration``: on calibrations redone as ``epdserve calibrate`` is now, from the
     same traces, ``first_windows`` as ``recalibrate`` takes them; the step-time attribution kept
     either way; the replay traces written again from the stored bench results where they are
-    kept): a change to the simulator judged without new real runs. Writes results_rejudged.json
+    kept, as trace_rejudged_<tag>.jsonl beside the run's own): a change to the simulator judged
+    without new real runs. Writes results_rejudged.json
     and report_rejudged.md; returns the report."""
     results = json.loads((out_dir / "results.json").read_text(encoding="utf-8"))
     scale = Scale(**{k: tuple(v) if isinstance(v, list) else v for k, v in results["scale"].items()})
@@ -1140,13 +1141,15 @@ def rejudge(out_dir: Path, redo_calibration: bool = False, first_windows: list[i
     for cell in cells:
         topology = cell["topology"]
         workload = next(w for w in workloads(scale, topology, results["with_azure"]) if w.name == cell["workload"])
-        for tag in cell["tags"]:  # the replay traces written again as judge_runs writes them now
-            real = out_dir / f"real_{tag}.json"
-            if real.exists():
-                write_trace(json.loads(real.read_text()), out_dir / f"trace_{tag}.jsonl",
-                            workload.num_image_tokens(Path(results["profile"])))
+        trace = "trace"  # the run's own replay traces, or written again as judge_runs writes them now
+        if all((out_dir / f"real_{tag}.json").exists() for tag in cell["tags"]):
+            trace = "trace_rejudged"
+            num_image_tokens = workload.num_image_tokens(Path(results["profile"]))
+            for tag in cell["tags"]:
+                write_trace(json.loads((out_dir / f"real_{tag}.json").read_text()),
+                            out_dir / f"{trace}_{tag}.jsonl", num_image_tokens)
         for key, path in cell["profiles"].items():
-            replay_cell(cell, key, path, workload.sim_image_args(), out_dir, "rejudged", log)
+            replay_cell(cell, key, path, workload.sim_image_args(), out_dir, "rejudged", log, trace)
     judgements = {key: judge(cells, key) for key in PROFILE_KEYS if all(key in c for c in cells)}
     results.update(cells=cells, judgements=judgements, rejudged_commands=log)
     (out_dir / "results_rejudged.json").write_text(json.dumps(results, indent=2, default=str) + "\n", encoding="utf-8")
