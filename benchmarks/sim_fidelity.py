@@ -418,6 +418,57 @@ def own_ticks(pids: list[int]) -> int:
     return process_ticks(pids) + round((children.ru_utime + children.ru_stime) * CLOCK_TICKS)
 
 
+def thread_times(pid: int) -> dict[str, tuple[float, float]]:
+    """Per live thread of ``pid``: (CPU seconds, seconds spent runnable but waiting for a core),
+    from /proc; the main thread as "main", the others by their name (Python's threads all have
+    the process's, zmq's its own), those of one name summed. A process that has exited gives {}."""
+    times: dict[str, tuple[float, float]] = {}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return times
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat", encoding="utf-8") as f:
+                head, _, rest = f.read().rpartition(")")
+            with open(f"/proc/{pid}/task/{tid}/schedstat", encoding="utf-8") as f:
+                wait_ns = int(f.read().split()[1])
+            stat = rest.split()
+            cpu = (int(stat[11]) + int(stat[12])) / CLOCK_TICKS
+        except (OSError, IndexError, ValueError):
+            continue
+        name = "main" if tid == str(pid) else head.partition("(")[2]
+        cpu0, wait0 = times.get(name, (0.0, 0.0))
+        times[name] = (cpu0 + cpu, wait0 + wait_ns / 1e9)
+    return times
+
+
+@contextlib.contextmanager
+def cpu_use(pids: dict[str, int]) -> Iterator[dict]:
+    """What each server process (name -> pid: the router, each worker by role) and this script's
+    waited-for children (the bench client) used of the CPUs while the body ran: per process its
+    CPU seconds and the seconds its threads waited for a core, and per thread name its CPU
+    seconds where that is at least 1 % of the span. Neither the router's nor the client's work
+    is in the simulator's model, and a worker's threads besides its steps are not either."""
+    use: dict = {}
+    before = {name: thread_times(pid) for name, pid in pids.items()}
+    children0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    start = time.monotonic()
+    yield use
+    span = max(time.monotonic() - start, 1e-9)
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    for name, pid in pids.items():
+        threads = {}
+        for thread, (cpu, wait) in thread_times(pid).items():
+            cpu0, wait0 = before[name].get(thread, (0.0, 0.0))
+            threads[thread] = (cpu - cpu0, wait - wait0)
+        use[name] = {"cpu_s": sum(c for c, _ in threads.values()), "wait_s": sum(w for _, w in threads.values()),
+                     "threads": {t: round(c, 3) for t, (c, _) in sorted(threads.items(), key=lambda kv: -kv[1][0])
+                                 if c >= 0.01 * span}}
+    use["client"] = {"cpu_s": (children.ru_utime + children.ru_stime) - (children0.ru_utime + children0.ru_stime)}
+    use["span_s"] = span
+
+
 @dataclass
 class Share:
     value: float = 0.0  # fraction of all CPU time
@@ -515,6 +566,7 @@ class RealRun:
     window: tuple[float, float]  # the run's span on the step traces' clock (time.monotonic)
     other_work_share: float
     result_path: str
+    cpu: dict = field(default_factory=dict)  # ``cpu_use``: each server process's CPU over the run
 
 
 @dataclass
@@ -542,7 +594,9 @@ def run_round(topology: str, round_index: int, profile: Path, state: TopologySta
     server = start_server([*TOPOLOGIES[topology], *ENGINE_FLAGS, "--step-trace-dir", str(trace_dir)],
                           out_dir / "logs" / f"{name}_r{round_index + 1}")
     log.append(server.command)
-    pids = [server.process.pid, *(w["pid"] for w in list_workers(server))]
+    workers = list_workers(server)
+    pids = [server.process.pid, *(w["pid"] for w in workers)]
+    named_pids = {"router": server.process.pid, **{f"{w['role']} {w['id']}": w["pid"] for w in workers}}
     warmup = warmup_workload(loads)
     offline_capacity = state.offline_capacities[warmup.name]  # warm-up and calibration rates
     try:
@@ -585,11 +639,12 @@ def run_round(topology: str, round_index: int, profile: Path, state: TopologySta
                 tag = f"{name}_{workload.name}_x{level:g}_r{round_index + 1}"
                 wait_for_idle(pids, max_wait_idle_s)
                 start = time.monotonic()
-                with other_work(pids) as other:
+                with other_work(pids) as other, cpu_use(named_pids) as cpu:
                     bench_serve(server.url, workload.bench_args(scale, rate, LEVEL_SEED + cell_index), workload.slo,
                                 out_dir / f"real_{tag}.json", log)
                 state.runs.append(RealRun(topology, workload.name, level, rate, round_index, tag,
-                                          (start, time.monotonic()), other.value, str(out_dir / f"real_{tag}.json")))
+                                          (start, time.monotonic()), other.value, str(out_dir / f"real_{tag}.json"),
+                                          cpu))
     finally:
         stop_server(server)
 
@@ -891,6 +946,10 @@ def build_report(cells: list[dict], judgements: dict[str, dict], scale: Scale, r
                "time in service over the profile's prediction (its neighbour term included), for steps that computed "
                "prompt tokens and for decode-only steps; the term farthest from 1 names the likely cause of a miss."),
               "", format_attribution(cells), "",
+              *(["## CPU of each process during the judged runs", "",
+                 ("The router, the bench client and a worker's threads besides its steps are not in the simulator's "
+                  "model; this is what they used, beside each worker's own (mean over a cell's runs)."), "",
+                 format_cpu(cells), ""] if format_cpu(cells) else []),
               "Plots: " + ", ".join(f"`plots/{m}.png`" for m in METRICS), "",
               "Commands (every replay in `results.json`; one of them shown):", "",
               *[f"- `{c}`" for c in results["commands"] if " simulate " not in f" {c} "],
@@ -983,6 +1042,26 @@ def format_own_speeds(cells: list[dict]) -> str:
             + markdown_table(["cell", *(f"round {k + 1}" for k in range(rounds))], rows))
 
 
+def format_cpu(cells: list[dict]) -> str:
+    """Per cell, each server process's and the bench client's mean CPU use over its runs, in
+    cores (CPU seconds over the run's span), and for each process the cores' worth of time its
+    threads waited for a core; with the busiest thread names beside each process."""
+    rows = ["| cell | process | CPU, cores | waiting for a core, cores | busiest threads (CPU s, first run) |",
+            "|---|---|---|---|---|"]
+    for c in cells:
+        runs = [u for u in c.get("cpu") or [] if u.get("span_s")]
+        if not runs:
+            continue
+        for name in [n for n in runs[0] if n != "span_s"]:
+            cores = statistics.fmean(u[name]["cpu_s"] / u["span_s"] for u in runs if name in u)
+            waits = [u[name]["wait_s"] / u["span_s"] for u in runs if "wait_s" in u.get(name, {})]
+            threads = ", ".join(f"{t} {v:g}" for t, v in list(runs[0][name].get("threads", {}).items())[:4])
+            rows.append(f"| {cell_label(c)} | {name} | {cores:.2f} | "
+                        f"{statistics.fmean(waits):.2f} | {threads} |" if waits else
+                        f"| {cell_label(c)} | {name} | {cores:.2f} | | {threads} |")
+    return "\n".join(rows) if len(rows) > 2 else ""
+
+
 def calibration_factors(cells: list[dict], key: str) -> dict[str, dict]:
     """Per topology, the calibration record of the profile simulation ``key`` ran on."""
     out = {}
@@ -1027,6 +1106,7 @@ def judge_runs(states: dict[str, TopologyState], loads: dict[str, list[Workload]
                     "num_runs": len(runs), "real_runs": real_runs, "tags": [r.tag for r in runs],
                     "num_cores": len(available_cores()),  # the real servers' host, for every replay
                     "other_work_share": max(r.other_work_share for r in runs),
+                    "cpu": [r.cpu for r in runs],
                     "profiles": {k: str(v) for k, v in profiles.items()}}
             if "sim_stretch" in profiles:  # calibrated: each run on its own round's refreshed profile too
                 cell["profiles"]["sim_tracked"] = [str(tracked[r.round_index]) for r in runs]

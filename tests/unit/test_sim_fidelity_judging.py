@@ -265,3 +265,47 @@ def test_a_run_too_short_to_refresh_on_keeps_its_rounds_profile(tmp_path):
     own = sim_fidelity.own_speed_profiles(profile, [steps], [("c_r1", 0, (0.0, 10.0))],
                                           {"c_r1": profile}, "p", tmp_path, log)
     assert own == {"c_r1": profile} and "--refresh" in log[0]
+
+
+def test_cpu_use_counts_each_process_and_its_busy_thread_by_name():
+    import os
+    import subprocess
+    import time
+
+    # A child whose second thread burns 0.5 s of CPU, then sleeps: its CPU must show apart from
+    # the main thread's (Python's threads carry the process's name).
+    code = ("import threading, time\n"
+            "def spin():\n"
+            "    t = time.process_time()\n"
+            "    while time.process_time() - t < 0.5: pass\n"
+            "    time.sleep(30)\n"
+            "threading.Thread(target=spin, name='spinner').start()\n")
+    child = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        with sim_fidelity.cpu_use({"worker": child.pid}) as use:
+            deadline = time.monotonic() + 10
+            while sum(c for t, (c, _) in sim_fidelity.thread_times(child.pid).items() if t != "main") < 0.49:
+                assert time.monotonic() < deadline, "the child's thread never spun"
+                time.sleep(0.05)
+        assert sim_fidelity.thread_times(os.getpid())  # this process's threads read too
+    finally:
+        child.kill()
+        child.wait(timeout=5)
+    assert set(use) == {"worker", "client", "span_s"}
+    spun = [c for t, c in use["worker"]["threads"].items() if t != "main"]
+    assert spun and max(spun) >= 0.49
+    assert use["worker"]["cpu_s"] >= max(spun)
+    assert use["worker"]["wait_s"] >= 0.0 and use["span_s"] > 0.0
+    assert sim_fidelity.thread_times(child.pid) == {}  # an exited process gives nothing
+
+
+def test_format_cpu_lists_each_process_in_cores():
+    cell = {"topology": "encode=1,prefill=1,decode=1", "workload": "images", "load": 1.5,
+            "cpu": [{"router": {"cpu_s": 3.0, "wait_s": 1.0, "threads": {"python": 2.5}},
+                     "client": {"cpu_s": 2.0}, "span_s": 10.0},
+                    {"router": {"cpu_s": 5.0, "wait_s": 3.0, "threads": {"python": 4.0}},
+                     "client": {"cpu_s": 4.0}, "span_s": 10.0}]}
+    table = sim_fidelity.format_cpu([cell, {"topology": "colocated=2", "workload": "random", "load": 1}])
+    assert "| 1E1P1D images 1.5x | router | 0.40 | 0.20 | python 2.5 |" in table
+    assert "| 1E1P1D images 1.5x | client | 0.30 | |  |" in table
+    assert "co×2" not in table  # a cell without CPU records (a stored run from before) is left out
