@@ -2,10 +2,12 @@
 
 TTFT decomposes as ``queue + encode + prefill + blocking KV transfer + first-token output``:
 
-    arrived ─queue─▶ encode_start ─encode─▶ encode_end ─prefill (after encode)─▶ prefill_end
-            ─first token out─▶ first_token
+    arrived ─queue─▶ encode_start ─encode─▶ encode_end ─queue─▶ prefill_start
+            ─prefill─▶ prefill_end ─first token out─▶ first_token
 
-Without images the encode part is empty and the queue ends at ``prefill_start``. With
+The queue is every wait: for an encoder, then for the prefill worker's first step with the
+request where that comes after its embeddings are in. Without images the encode part is empty
+and the queue ends at ``prefill_start``. With
 pipelined prefill, chunks before the last image run while later images encode; that
 overlapped prefill time is ``prefill_overlap_ms`` and is not counted again in ``prefill_ms``.
 
@@ -33,6 +35,8 @@ def timing_json(t: Timing) -> dict:
     queue_end = min(t.encode_start, t.prefill_start or t.encode_start) if has_encode else t.prefill_start
     prefill_from = max(t.prefill_start, t.encode_end) if has_encode and t.prefill_start else t.prefill_start
     prefill_ms = max(0.0, round(_ms(t.prefill_end, prefill_from) - t.kv_blocking_s * 1e3, 3))
+    # Waiting for an encoder, then (with images) for the prefill step after the embeddings are in.
+    queue_ms = _ms(queue_end, t.arrived) + (_ms(t.prefill_start, t.encode_end) if has_encode else 0.0)
     return {
         "arrived": t.arrived,
         "admitted": t.admitted,
@@ -54,7 +58,7 @@ def timing_json(t: Timing) -> dict:
         "num_images": t.num_images,
         "num_encoder_cache_hits": t.num_encoder_cache_hits,
         "service_class": t.service_class,
-        "queue_ms": _ms(queue_end, t.arrived),
+        "queue_ms": round(queue_ms, 3),
         "encode_ms": _ms(t.encode_end, t.encode_start),
         "embed_transfer_ms": round(t.embed_transfer_s * 1e3, 3),
         "prefill_ms": prefill_ms,

@@ -497,6 +497,9 @@ class ClusterSim(SimLoop):
             return
         num = min(len(enc.queue), enc.max_batch_images)
         enc.batch = [enc.queue.popleft() for _ in range(num)]
+        for flight, _ in enc.batch:
+            if flight.encode_start is None:
+                flight.encode_start = self.now
         step_s = enc.cost.time_s(num * self.workload.tiles_per_image)
         if self.is_shared:
             pace = enc.pace

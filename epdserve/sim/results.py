@@ -3,8 +3,13 @@
 Each completed request decomposes its TTFT from its simulated moments (``Flight``, named by
 ``request.EventType``), in milliseconds::
 
-    arrived ─encode─▶ encode_end ─queue─▶ prefill_start ─prefill─▶ prefill_end ─▶ first_token
-    (encode: 0 without images; prefill counts from max(prefill_start, encode_end))
+    arrived ─queue─▶ encode_start ─encode─▶ encode_end ─queue─▶ prefill_start
+            ─prefill─▶ prefill_end ─▶ first_token
+
+as the server's ``return_timing`` has it (``router/timing.py``): the queue is every wait, for an
+encoder and then for the prefill step (without images it ends at ``prefill_start``), the encode
+part runs from the first of its images' batches beginning to its last embedding in, and prefill
+counts from max(prefill_start, encode_end).
 
 The first token is sampled by the prefill (or colocated) instance and streamed at once, so
 ``first_token_ms`` is 0 and the components add up to TTFT. ``exposed_transfer_ms`` is the
@@ -28,8 +33,8 @@ from epdserve.bench.metrics import TTFT_COMPONENTS, RequestOutput, compute_metri
 from epdserve.bench.report import RunInfo, build_result
 from epdserve.request import EventType
 
-FLIGHT_EVENTS = (EventType.ARRIVED, EventType.ENCODE_END, EventType.PREFILL_START, EventType.PREFILL_END,
-                 EventType.KV_TRANSFER_END, EventType.FIRST_TOKEN, EventType.FINISHED)
+FLIGHT_EVENTS = (EventType.ARRIVED, EventType.ENCODE_START, EventType.ENCODE_END, EventType.PREFILL_START,
+                 EventType.PREFILL_END, EventType.KV_TRANSFER_END, EventType.FIRST_TOKEN, EventType.FINISHED)
 # A detail request's ``timing`` object: these moments, keyed by value as bench's timings are.
 DETAIL_EVENTS = (EventType.ARRIVED, EventType.PREFILL_START, EventType.PREFILL_END, EventType.KV_TRANSFER_END,
                  EventType.FIRST_TOKEN, EventType.FINISHED)
@@ -71,6 +76,7 @@ class Flight:
         self.index = index
         self.request_id = str(index)
         self.arrived = self.encode_end = arrived
+        self.encode_start = None  # the first of its images' encoder batches began (None: no images)
         self.prefill_start = self.prefill_end = self.kv_transfer_end = self.first_token = self.finished = None
         self.num_prompt = num_prompt
         self.num_output = num_output
@@ -181,9 +187,10 @@ class Recorder:
             self.watch.on_complete(i, tpot, now - arrived)
         ready = f.encode_end
         start = max(f.prefill_start, ready)
+        encode_start = arrived if f.encode_start is None else f.encode_start
         parts = {
-            "queue_ms": max(0.0, f.prefill_start - ready) * 1e3,
-            "encode_ms": (ready - arrived) * 1e3,
+            "queue_ms": ((encode_start - arrived) + max(0.0, f.prefill_start - ready)) * 1e3,
+            "encode_ms": (ready - encode_start) * 1e3,
             "prefill_ms": (f.prefill_end - start) * 1e3,
             "exposed_transfer_ms": f.kv_exposed_s * 1e3,
             "first_token_ms": (first_token - f.prefill_end) * 1e3,

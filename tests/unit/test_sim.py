@@ -165,6 +165,21 @@ def test_encode_then_prefill_image_before_text():
     assert rec.prompt_len[0] == 48
 
 
+def test_waiting_for_the_encoder_is_queue_as_the_server_reports_it():
+    # Two requests with an image each at 0, one encoder: the second's image waits for the
+    # first's batch (0.052 s), then encodes and lands as the first's did (0.068 s); its prefill
+    # waits for the first's step (0.068-0.126 s). Queue is every wait, as router/timing.py has it.
+    w = fixed_workload([0.0, 0.0], [32, 32], [2, 2], num_images=1, tiles_per_image=1)
+    _, rec = run(profile_dict(), "encode=1,prefill=1,decode=1", w, link_bytes_per_s=1e6,
+                 images_after_text=False)
+    c = rec.components
+    assert c["encode_ms"][0] == pytest.approx(68.0) and c["queue_ms"][0] == pytest.approx(0.0)
+    assert c["encode_ms"][1] == pytest.approx(68.0)
+    assert c["queue_ms"][1] == pytest.approx(52.0 + (126.0 - 120.0))
+    for i in range(2):
+        assert sum(c[k][i] for k in c if k != "exposed_transfer_ms") == pytest.approx(rec.ttft[i] * 1e3)
+
+
 def test_text_before_the_image_is_prefilled_while_it_encodes():
     # The image after the text (as bench's random-mm sends it): the 32 text tokens are computed
     # at once (0.042 s, inside the 0.068 s the embedding takes), then the 16 image tokens
