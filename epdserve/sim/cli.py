@@ -198,7 +198,13 @@ def run_simulate(ns: argparse.Namespace) -> int:
     from epdserve.bench.args import parse_goodput, parse_percentiles
     from epdserve.bench.report import format_table
     from epdserve.sim.cluster import ClusterSim, SimConfig
-    from epdserve.sim.compare import compare_results, format_comparison, load_result, mean_abs_error
+    from epdserve.sim.compare import (
+        compare_results,
+        compare_ttft_parts,
+        format_comparison,
+        load_result,
+        mean_abs_error,
+    )
     from epdserve.sim.cost_model import CostModel
     from epdserve.sim.results import build_sim_result
     from epdserve.sim.topology import parse_topology
@@ -221,9 +227,10 @@ def run_simulate(ns: argparse.Namespace) -> int:
         print(f"simulated {s['sim_end_s']:.1f} s of {s['topology']} in {s['wall_time_s']:.1f} s "
               f"({s['num_events']} events)")
     if real is not None:
-        rows = compare_results(result, real)
-        result["comparison"] = {"real_result": ns.compare_to, "metrics": rows, "mean_abs_error": mean_abs_error(rows)}
-        print(format_comparison(rows, ns.compare_to))
+        rows, parts = compare_results(result, real), compare_ttft_parts(result, real)
+        result["comparison"] = {"real_result": ns.compare_to, "metrics": rows,
+                                "mean_abs_error": mean_abs_error(rows), "ttft_parts": parts}
+        print(format_comparison(rows, ns.compare_to, parts))
     if ns.out:
         write_json(result, ns.out, encode=msgspec.json.encode)
     return 0

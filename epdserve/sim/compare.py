@@ -4,7 +4,10 @@ Both sides write bench's result keys (``bench/report.py`` ``build_result``; the 
 ``sim/results.py``), so the comparison is key by key: throughputs, goodput, and the mean,
 median and percentiles of TTFT, TPOT, ITL and E2E latency that both carry. The error is
 (simulated - real) / real. Goodput compares only when both runs scored the same SLOs (each
-result says which in ``goodput_slos_ms``; a run without them has no goodput).
+result says which in ``goodput_slos_ms``; a run without them has no goodput). Beside them, not
+in the mean error, the mean of each TTFT part (``ttft_breakdown_ms``: queue, encode, prefill,
+exposed transfer, first token, with the server's meanings) where both results carry it: which
+part of the TTFT the simulation gets wrong.
 """
 
 from __future__ import annotations
@@ -65,12 +68,26 @@ def compare_results(simulated: dict[str, Any], real: dict[str, Any]) -> list[dic
     return rows
 
 
+def compare_ttft_parts(simulated: dict[str, Any], real: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per TTFT part both results' ``ttft_breakdown_ms`` carry: the real and simulated mean
+    (ms) and their difference in ms (a part may be 0 on one side: no relative error)."""
+    sim_parts, real_parts = simulated.get("ttft_breakdown_ms") or {}, real.get("ttft_breakdown_ms") or {}
+    rows = []
+    for part, values in real_parts.items():
+        r = _number(values.get("mean")) if isinstance(values, dict) else None
+        other = sim_parts.get(part)
+        s = _number(other.get("mean")) if isinstance(other, dict) else None
+        if r is not None and s is not None:
+            rows.append({"part": part, "real": r, "simulated": s, "difference_ms": s - r})
+    return rows
+
+
 def mean_abs_error(rows: list[dict[str, Any]]) -> float | None:
     errors = [abs(row["error"]) for row in rows if row["error"] is not None]
     return sum(errors) / len(errors) if errors else None
 
 
-def format_comparison(rows: list[dict[str, Any]], real_path: str) -> str:
+def format_comparison(rows: list[dict[str, Any]], real_path: str, parts: list[dict[str, Any]] = ()) -> str:
     lines = [f"{' against ' + real_path + ' ':=^66}", f"{'metric':<28}{'real':>12}{'simulated':>12}{'error':>12}"]
     for row in rows:
         error = "-" if row["error"] is None else f"{100 * row['error']:+.1f} %"
@@ -78,5 +95,10 @@ def format_comparison(rows: list[dict[str, Any]], real_path: str) -> str:
     mae = mean_abs_error(rows)
     if mae is not None:
         lines.append(f"{'mean absolute error':<52}{100 * mae:>11.1f} %")
+    if parts:
+        lines.append(f"{'TTFT part, mean ms':<28}{'real':>12}{'simulated':>12}{'difference':>12}")
+        for row in parts:
+            lines.append(f"{row['part']:<28}{row['real']:>12.2f}{row['simulated']:>12.2f}"
+                         f"{row['difference_ms']:>+12.2f}")
     lines.append("=" * 66)
     return "\n".join(lines)

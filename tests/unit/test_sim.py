@@ -474,6 +474,7 @@ def test_compare_to_a_real_result_prints_each_metrics_error(tmp_path, capsys):
     real = json.loads(first.read_text())
     real["median_ttft_ms"] *= 2
     real["request_goodput"] = real["request_goodput"] or 1.0
+    real["ttft_breakdown_ms"]["queue_ms"]["mean"] += 5.0
     slower = tmp_path / "real.json"
     slower.write_text(json.dumps(real))
     capsys.readouterr()
@@ -484,6 +485,11 @@ def test_compare_to_a_real_result_prints_each_metrics_error(tmp_path, capsys):
     rows = {r["metric"]: r for r in json.loads(out.read_text())["comparison"]["metrics"]}
     assert rows["median_ttft_ms"]["error"] == pytest.approx(-0.5)
     assert rows["p99_tpot_ms"]["error"] == pytest.approx(0.0) and "request_goodput" in rows
+    # each TTFT part's mean beside the real one's, in ms, outside the mean error
+    parts = {r["part"]: r for r in json.loads(out.read_text())["comparison"]["ttft_parts"]}
+    assert parts["queue_ms"]["difference_ms"] == pytest.approx(-5.0) and "TTFT part" in printed
+    assert parts["prefill_ms"]["difference_ms"] == pytest.approx(0.0)
+    assert set(parts) == {"queue_ms", "encode_ms", "prefill_ms", "exposed_transfer_ms", "first_token_ms"}
     # goodput under other SLOs is not compared; a file that is no result is a one-line error
     assert "request_goodput" not in {r["metric"] for r in compare_results({**real, "goodput_slos_ms": None}, real)}
     (tmp_path / "no.json").write_text("{}")
