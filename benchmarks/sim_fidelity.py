@@ -100,9 +100,11 @@ from epdserve.bench.experiments.report import (
     save_figure,
 )
 from epdserve.bench.traces import read_any_trace
+from epdserve.cluster.messages import Timing
 from epdserve.envs import get_traces_dir
 from epdserve.planner import slo as host_slo
 from epdserve.planner.calibrate import neighbour_split, predict_steps, read_step_trace
+from epdserve.router.timing import timing_json
 from epdserve.sim.cost_model import CostModel
 from epdserve.sim.topology import parse_topology
 
@@ -323,7 +325,8 @@ def score(result: dict | list[dict], slo: Slo) -> dict:
     of one level) are pooled: percentiles over all their requests, goodput = all requests meeting
     the SLO / the runs' summed spans (each from its first send to its last finish)."""
     results = result if isinstance(result, list) else [result]
-    ttft_parts, tpot_parts, has_tpot_parts = [], [], []
+    ttft_arrays, tpot_parts, has_tpot_parts = [], [], []
+    parts = [ttft_parts(r) for r in results]
     num_requests = num_ok = num_good = 0
     span_s = 0.0
     for r in results:
@@ -339,10 +342,11 @@ def score(result: dict | list[dict], slo: Slo) -> dict:
         num_requests += len(starts)
         num_ok += len(ok)
         num_good += int(np.sum((ttft <= slo.ttft_ms) & (tpot <= slo.tpot_ms)))
-        ttft_parts.append(ttft)
+        ttft_arrays.append(ttft)
         tpot_parts.append(tpot)
         has_tpot_parts.append(out > 1)
-    ttft, tpot, has_tpot = np.concatenate(ttft_parts), np.concatenate(tpot_parts), np.concatenate(has_tpot_parts)
+    ttft, tpot = np.concatenate(ttft_arrays), np.concatenate(tpot_parts)
+    has_tpot = np.concatenate(has_tpot_parts)
     return {
         "ttft_p50_ms": float(np.percentile(ttft, 50)) if num_ok else None,
         "ttft_p99_ms": float(np.percentile(ttft, 99)) if num_ok else None,
@@ -352,7 +356,28 @@ def score(result: dict | list[dict], slo: Slo) -> dict:
         "attainment": num_good / num_requests if num_requests else 0.0,
         "num_failed": num_requests - num_ok,
         "span_s": span_s,
+        "ttft_parts": {k: statistics.fmean(p[k] for p in parts) for k in TTFT_PARTS
+                       if all(k in p for p in parts)},
     }
+
+
+TTFT_PARTS = ("queue_ms", "encode_ms", "prefill_ms", "first_token_ms")  # they add up to the TTFT
+
+
+def ttft_parts(result: dict) -> dict[str, float]:
+    """Mean of each TTFT part (ms) over a run's requests, with the server's meanings
+    (``router/timing.py``). A served run's are computed again from its requests' stamps
+    (``--return-timing``), so runs stored before a change of those meanings read the same; a
+    simulated run's come from its ``ttft_breakdown_ms``, which the simulator writes with them."""
+    if "simulator" in result:
+        breakdown = result.get("ttft_breakdown_ms") or {}
+        return {k: float(breakdown[k]["mean"]) for k in TTFT_PARTS if k in breakdown}
+    fields = set(Timing.__struct_fields__)
+    stamps = [t for t, err in zip(result.get("timings") or [], result["errors"])
+              if isinstance(t, dict) and not err]
+    rows = [timing_json(Timing(**{k: v for k, v in t.items() if k in fields and isinstance(v, int | float)}))
+            for t in stamps]
+    return {k: statistics.fmean(r[k] for r in rows) for k in TTFT_PARTS} if rows else {}
 
 
 def relative_error(sim: float | None, real: float | None) -> float | None:
@@ -946,6 +971,10 @@ def build_report(cells: list[dict], judgements: dict[str, dict], scale: Scale, r
                "time in service over the profile's prediction (its neighbour term included), for steps that computed "
                "prompt tokens and for decode-only steps; the term farthest from 1 names the likely cause of a miss."),
               "", format_attribution(cells), "",
+              *(["TTFT by part (mean over requests, then over a cell's runs; the server's meanings, "
+                 "`router/timing.py`), real against the replays on the profile calibrated before the "
+                 "judged runs:",
+                 "", format_ttft_parts(cells), ""] if format_ttft_parts(cells) else []),
               *(["## CPU of each process during the judged runs", "",
                  ("The router, the bench client and a worker's threads besides its steps are not in the simulator's "
                   "model; this is what they used, beside each worker's own (mean over a cell's runs)."), "",
@@ -1040,6 +1069,23 @@ def format_own_speeds(cells: list[dict]) -> str:
             "(time alone on their cores) over the prediction of the profile calibrated before the judged "
             "runs.\n\n"
             + markdown_table(["cell", *(f"round {k + 1}" for k in range(rounds))], rows))
+
+
+def format_ttft_parts(cells: list[dict], key: str = "sim") -> str:
+    """Per cell, each TTFT part's mean (ms) over its real runs and over their replays on the
+    ``key`` profile: which part of the TTFT a miss comes from (waiting, encoding, prefill)."""
+    rows = []
+    for c in cells:
+        real = [r.get("ttft_parts") or {} for r in c["real_runs"]]
+        sim = [r.get("ttft_parts") or {} for r in c.get(f"{key}_runs") or []]
+        cols = []
+        for part in TTFT_PARTS:
+            a, b = [x[part] for x in real if part in x], [x[part] for x in sim if part in x]
+            cols.append(f"{statistics.fmean(a):,.0f} / {statistics.fmean(b):,.0f}" if a and b else "")
+        if any(cols):
+            rows.append([cell_label(c), *cols])
+    return markdown_table(["cell", *(f"{p.removesuffix('_ms').replace('_', ' ')}, real / simulated ms"
+                                     for p in TTFT_PARTS)], rows) if rows else ""
 
 
 def format_cpu(cells: list[dict]) -> str:

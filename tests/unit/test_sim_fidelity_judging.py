@@ -309,3 +309,24 @@ def test_format_cpu_lists_each_process_in_cores():
     assert "| 1E1P1D images 1.5x | router | 0.40 | 0.20 | python 2.5 |" in table
     assert "| 1E1P1D images 1.5x | client | 0.30 | |  |" in table
     assert "co×2" not in table  # a cell without CPU records (a stored run from before) is left out
+
+
+def test_ttft_parts_of_a_served_run_come_from_its_stamps_with_the_servers_meanings():
+    # Stamps of two requests (one waits 0.5 s for the encoder and 0.2 s for the prefill step),
+    # and a stale server decomposition that must not be read; a failed request is left out.
+    stamps = [{"arrived": 10.0, "encode_start": 10.5, "encode_end": 11.0, "prefill_start": 11.2,
+               "prefill_end": 11.5, "first_token": 11.5, "queue_ms": 999.0},
+              {"arrived": 20.0, "encode_start": 20.0, "encode_end": 20.4, "prefill_start": 20.4,
+               "prefill_end": 20.7, "first_token": 20.7, "kv_bytes_by_group": {"full": 1}},
+              {"arrived": 30.0}]
+    real = {"timings": stamps, "errors": ["", "", "boom"]}
+    parts = sim_fidelity.ttft_parts(real)
+    assert parts["queue_ms"] == pytest.approx(350.0) and parts["encode_ms"] == pytest.approx(450.0)
+    assert parts["prefill_ms"] == pytest.approx(300.0) and parts["first_token_ms"] == pytest.approx(0.0)
+    breakdown = {k: {"mean": 1.0, "p99": 2.0} for k in sim_fidelity.TTFT_PARTS}
+    simulated = {"simulator": {}, "ttft_breakdown_ms": breakdown}
+    assert sim_fidelity.ttft_parts(simulated) == dict.fromkeys(sim_fidelity.TTFT_PARTS, 1.0)
+    cell = {"topology": "encode=1,prefill=1,decode=1", "workload": "images", "load": 1.5,
+            "real_runs": [{"ttft_parts": parts}], "sim_runs": [{"ttft_parts": {**parts, "queue_ms": 500.0}}]}
+    table = sim_fidelity.format_ttft_parts([cell])
+    assert "| 1E1P1D images 1.5x | 350 / 500 | 450 / 450 | 300 / 300 | 0 / 0 |" in table
