@@ -1252,9 +1252,9 @@ def rejudge(out_dir: Path, redo_calibration: bool = False, first_windows: list[i
     on (``redo_calibration``: on calibrations redone as ``epdserve calibrate`` is now, from the
     same traces, ``first_windows`` as ``recalibrate`` takes them; the step-time attribution kept
     either way; the replay traces written again from the stored bench results where they are
-    kept, as trace_rejudged_<tag>.jsonl beside the run's own): a change to the simulator judged
-    without new real runs. Writes results_rejudged.json
-    and report_rejudged.md; returns the report."""
+    kept, as trace_rejudged_<tag>.jsonl beside the run's own, and those runs scored again as
+    ``score`` scores now): a change to the simulator judged without new real runs. Writes
+    results_rejudged.json and report_rejudged.md; returns the report."""
     results = json.loads((out_dir / "results.json").read_text(encoding="utf-8"))
     scale = Scale(**{k: tuple(v) if isinstance(v, list) else v for k, v in results["scale"].items()})
     log: list[str] = []
@@ -1271,9 +1271,10 @@ def rejudge(out_dir: Path, redo_calibration: bool = False, first_windows: list[i
         if all((out_dir / f"real_{tag}.json").exists() for tag in cell["tags"]):
             trace = "trace_rejudged"
             num_image_tokens = workload.num_image_tokens(Path(results["profile"]))
-            for tag in cell["tags"]:
-                write_trace(json.loads((out_dir / f"real_{tag}.json").read_text()),
-                            out_dir / f"{trace}_{tag}.jsonl", num_image_tokens)
+            reals = [json.loads((out_dir / f"real_{tag}.json").read_text()) for tag in cell["tags"]]
+            for tag, real in zip(cell["tags"], reals):
+                write_trace(real, out_dir / f"{trace}_{tag}.jsonl", num_image_tokens)
+            cell["real_runs"] = [score(real, Slo(*cell["slo"])) for real in reals]  # scored as now
         for key, path in cell["profiles"].items():
             replay_cell(cell, key, path, workload.sim_image_args(), out_dir, "rejudged", log, trace)
     judgements = {key: judge(cells, key) for key in PROFILE_KEYS if all(key in c for c in cells)}

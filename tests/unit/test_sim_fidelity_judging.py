@@ -122,14 +122,17 @@ def test_rejudge_replays_the_stored_runs_in_the_simulator_as_it_is_now(tmp_path)
     # With the run's bench result stored, its replay trace is written again beside its own (the
     # server's arrival stamps: here the same single request), which stays as the run wrote it.
     own_trace = (tmp_path / "trace_c_r1.jsonl").read_text()
+    # The stored run is scored again as score() scores now (here its TTFT is 50 ms).
     (tmp_path / "real_c_r1.json").write_text(json.dumps({"start_times": [0.0], "input_lens": [32],
-                                                         "output_lens": [3], "errors": [""],
-                                                         "timings": [{"arrived": 5.0}]}))
+                                                         "output_lens": [3], "errors": [""], "ttfts": [0.05],
+                                                         "latencies": [0.1], "timings": [{"arrived": 5.0}]}))
     sim_fidelity.rejudge(tmp_path)
     assert json.loads((tmp_path / "trace_rejudged_c_r1.jsonl").read_text()) == json.loads(own_trace)
     assert (tmp_path / "trace_c_r1.jsonl").read_text() == own_trace
     out = json.loads((tmp_path / "results_rejudged.json").read_text())
     assert out["cells"][0]["sim"]["ttft_p50_ms"]["sim"] == pytest.approx(42.0)
+    assert out["cells"][0]["sim"]["ttft_p50_ms"]["real_mean"] == pytest.approx(50.0)
+    assert "ttft_parts" in out["cells"][0]["real_runs"][0]
     assert all("trace_rejudged_c_r1.jsonl" in c for c in out["rejudged_commands"] if " simulate " in c)
     # --recalibrate: the run's calibration redone from its step traces (the first round's
     # windows) by calibrate as it is now; here every traced step took 1.5x the profile's time.
