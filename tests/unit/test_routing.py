@@ -46,6 +46,34 @@ def test_pick_ties_go_to_more_free_blocks():
     assert registry.pick("colocated") is b
 
 
+@pytest.mark.parametrize("routing", ["least-prefill", "least-requests"])
+def test_pick_is_the_first_worker_of_the_smallest_key(routing):
+    """Over many random registries (other roles and workers not ready among them, many ties),
+    the pick is what min() gives over the ready workers of the role, keyed (prefill tokens
+    ahead, requests in hand, -free blocks), the first of equals."""
+    import random
+
+    from epdserve.router.workers import WorkerState
+
+    rng = random.Random(7)
+    for _ in range(500):
+        registry = WorkerRegistry(routing)
+        for i in range(rng.randint(0, 8)):
+            w = worker(f"w{i}", free_blocks=rng.choice([10, 20, 30]))
+            if rng.random() < 0.2:
+                w.role = "decode"
+            if rng.random() < 0.2:
+                w.state = WorkerState.DRAINING
+            for k in range(rng.randint(0, 3)):
+                w.take(f"r{i}_{k}", rng.choice([0, 100]))
+            registry.add(w)
+        ready = [w for w in registry.workers.values() if w.role == "colocated" and w.state is WorkerState.READY]
+        by_prefill = routing == "least-prefill"
+        expected = min(ready, key=lambda w: (w.num_prefill_tokens if by_prefill else 0, len(w.request_ids),
+                                             -w.load.num_free_blocks), default=None)
+        assert registry.pick_least_loaded("colocated") is expected
+
+
 def test_simulated_request_goes_around_a_prefill():
     """colocated=2 (synthetic costs: a step is 10 ms + 1 ms per prefill token + 2 ms per decode
     sequence). r0 (500 tokens) is prefilled by 0.51 s and decodes on one instance; r1 (300
