@@ -61,7 +61,12 @@ worker share core 0).
    as DistServe judges its simulator: goodput's relative error grows without bound where the
    real goodput nears zero, attainment's difference in points does not. For every cell
    that misses, the step traces of its runs say which term of the cost model is off: per role,
-   the served / predicted time of steps that prefill and of decode-only steps.
+   the served / predicted time of steps that prefill and of decode-only steps. Per cell too: the
+   TTFT by part (queue, encode, prefill, first token; the server's meanings), real against
+   simulated, which says where in the request's path the time goes missing; and each server
+   process's CPU over the judged runs (router, each worker, the bench client; with the time its
+   threads waited for a core), which shows what the simulator does not model (the router and
+   the client) and how the workers on one core shared it.
 
 Both sides are scored by the same function from per-request records: TTFT, TPOT =
 (E2E - TTFT)/(output - 1), goodput = requests meeting every SLO / (last finish - first send).
