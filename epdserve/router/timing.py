@@ -5,11 +5,12 @@ TTFT decomposes as ``queue + encode + prefill + blocking KV transfer + first-tok
     arrived ─queue─▶ encode_start ─encode─▶ encode_end ─queue─▶ prefill_start
             ─prefill─▶ prefill_end ─first token out─▶ first_token
 
-The queue is every wait: for an encoder, then for the prefill worker's first step with the
-request where that comes after its embeddings are in. Without images the encode part is empty
-and the queue ends at ``prefill_start``. With
-pipelined prefill, chunks before the last image run while later images encode; that
-overlapped prefill time is ``prefill_overlap_ms`` and is not counted again in ``prefill_ms``.
+The queue is every wait: for an encoder (its first image's batch), then for the prefill
+worker's first step with the request where that comes after its embeddings are in. Without
+images the encode part is empty and the queue ends at ``prefill_start``. With pipelined
+prefill, chunks before the last image run while the images wait and encode; that overlapped
+prefill time is ``prefill_overlap_ms`` and is not counted again in ``prefill_ms``, so the
+parts add up to the TTFT either way.
 
 The prefill step's own time moving KV (a shared-memory write is a copy by the prefill
 worker's thread; so is gathering the pages for a TCP send) delays the first token and is
@@ -32,7 +33,7 @@ def _ms(later: float, earlier: float) -> float:
 def timing_json(t: Timing) -> dict:
     prefill_end = t.prefill_end or t.first_token
     has_encode = bool(t.encode_start and t.encode_end)
-    queue_end = min(t.encode_start, t.prefill_start or t.encode_start) if has_encode else t.prefill_start
+    queue_end = t.encode_start if has_encode else t.prefill_start
     prefill_from = max(t.prefill_start, t.encode_end) if has_encode and t.prefill_start else t.prefill_start
     prefill_ms = max(0.0, round(_ms(t.prefill_end, prefill_from) - t.kv_blocking_s * 1e3, 3))
     # Waiting for an encoder, then (with images) for the prefill step after the embeddings are in.
