@@ -30,14 +30,33 @@ def _ms(later: float, earlier: float) -> float:
     return round(max(0.0, later - earlier) * 1e3, 3) if later and earlier else 0.0
 
 
+def _span(later: float | None, earlier: float | None) -> float:
+    return max(0.0, later - earlier) if later is not None and earlier is not None else 0.0
+
+
+def ttft_parts_s(arrived: float | None, encode_start: float | None, encode_end: float | None,
+                 prefill_start: float | None, prefill_end: float | None, first_token: float | None,
+                 kv_blocking_s: float = 0.0) -> tuple[float, float, float, float]:
+    """The TTFT's parts in seconds, (queue, encode, prefill, first token out), as the module
+    docstring has them; with ``kv_blocking_s`` they add up to first_token - arrived. None: the
+    moment did not happen (a part missing one of its ends is 0). The server's ``timing`` and
+    the simulator's breakdown (``sim/results.py``) both take theirs from here."""
+    if encode_start is not None and encode_end is not None:
+        # Waiting for an encoder, then for the prefill step after the embeddings are in.
+        queue = _span(encode_start, arrived) + _span(prefill_start, encode_end)
+        encode = encode_end - encode_start
+        prefill_from = max(prefill_start, encode_end) if prefill_start is not None else None
+    else:
+        queue, encode, prefill_from = _span(prefill_start, arrived), 0.0, prefill_start
+    prefill = max(0.0, _span(prefill_end, prefill_from) - kv_blocking_s)
+    return queue, encode, prefill, _span(first_token, prefill_end if prefill_end is not None else first_token)
+
+
 def timing_json(t: Timing) -> dict:
-    prefill_end = t.prefill_end or t.first_token
     has_encode = bool(t.encode_start and t.encode_end)
-    queue_end = t.encode_start if has_encode else t.prefill_start
-    prefill_from = max(t.prefill_start, t.encode_end) if has_encode and t.prefill_start else t.prefill_start
-    prefill_ms = max(0.0, round(_ms(t.prefill_end, prefill_from) - t.kv_blocking_s * 1e3, 3))
-    # Waiting for an encoder, then (with images) for the prefill step after the embeddings are in.
-    queue_ms = _ms(queue_end, t.arrived) + (_ms(t.prefill_start, t.encode_end) if has_encode else 0.0)
+    queue_s, encode_s, prefill_s, first_token_s = ttft_parts_s(
+        t.arrived or None, t.encode_start or None, t.encode_end or None, t.prefill_start or None,
+        t.prefill_end or None, t.first_token or None, t.kv_blocking_s)
     return {
         "arrived": t.arrived,
         "admitted": t.admitted,
@@ -59,15 +78,15 @@ def timing_json(t: Timing) -> dict:
         "num_images": t.num_images,
         "num_encoder_cache_hits": t.num_encoder_cache_hits,
         "service_class": t.service_class,
-        "queue_ms": round(queue_ms, 3),
-        "encode_ms": _ms(t.encode_end, t.encode_start),
+        "queue_ms": round(queue_s * 1e3, 3),
+        "encode_ms": round(encode_s * 1e3, 3),
         "embed_transfer_ms": round(t.embed_transfer_s * 1e3, 3),
-        "prefill_ms": prefill_ms,
+        "prefill_ms": round(prefill_s * 1e3, 3),
         "prefill_overlap_ms": _ms(min(t.encode_end, t.prefill_end), t.prefill_start) if has_encode else 0.0,
         "kv_blocking_ms": round(t.kv_blocking_s * 1e3, 3),
         "kv_transfer_ms": _ms(t.kv_transfer_end, t.kv_transfer_start),
         "exposed_transfer_ms": round(t.kv_exposed_s * 1e3, 3),
-        "first_token_ms": _ms(t.first_token, prefill_end),
+        "first_token_ms": round(first_token_s * 1e3, 3),
         "ttft_ms": _ms(t.first_token, t.arrived),
         "e2e_ms": _ms(t.finished, t.arrived),
     }

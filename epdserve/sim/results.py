@@ -6,10 +6,10 @@ Each completed request decomposes its TTFT from its simulated moments (``Flight`
     arrived ─queue─▶ encode_start ─encode─▶ encode_end ─queue─▶ prefill_start
             ─prefill─▶ prefill_end ─▶ first_token
 
-as the server's ``return_timing`` has it (``router/timing.py``): the queue is every wait, for an
-encoder and then for the prefill step (without images it ends at ``prefill_start``), the encode
-part runs from the first of its images' batches beginning to its last embedding in, and prefill
-counts from max(prefill_start, encode_end).
+by the server's own rule (``router/timing.py`` ``ttft_parts_s``): the queue is every wait, for
+an encoder and then for the prefill step (without images it ends at ``prefill_start``), the
+encode part runs from the first of its images' batches beginning to its last embedding in, and
+prefill counts from max(prefill_start, encode_end).
 
 The first token is sampled by the prefill (or colocated) instance and streamed at once, so
 ``first_token_ms`` is 0 and the components add up to TTFT. ``exposed_transfer_ms`` is the
@@ -32,6 +32,7 @@ import numpy as np
 from epdserve.bench.metrics import TTFT_COMPONENTS, RequestOutput, compute_metrics
 from epdserve.bench.report import RunInfo, build_result
 from epdserve.request import EventType
+from epdserve.router.timing import ttft_parts_s
 
 FLIGHT_EVENTS = (EventType.ARRIVED, EventType.ENCODE_START, EventType.ENCODE_END, EventType.PREFILL_START,
                  EventType.PREFILL_END, EventType.KV_TRANSFER_END, EventType.FIRST_TOKEN, EventType.FINISHED)
@@ -185,15 +186,15 @@ class Recorder:
         if self.watch is not None:
             tpot = (now - first_token) / (num_output - 1) if num_output > 1 else 0.0
             self.watch.on_complete(i, tpot, now - arrived)
-        ready = f.encode_end
-        start = max(f.prefill_start, ready)
-        encode_start = arrived if f.encode_start is None else f.encode_start
+        encode_end = None if f.encode_start is None else f.encode_end  # no images: no encode part
+        queue, encode, prefill, first = ttft_parts_s(arrived, f.encode_start, encode_end, f.prefill_start,
+                                                     f.prefill_end, first_token)
         parts = {
-            "queue_ms": ((encode_start - arrived) + max(0.0, f.prefill_start - ready)) * 1e3,
-            "encode_ms": (ready - encode_start) * 1e3,
-            "prefill_ms": (f.prefill_end - start) * 1e3,
+            "queue_ms": queue * 1e3,
+            "encode_ms": encode * 1e3,
+            "prefill_ms": prefill * 1e3,
             "exposed_transfer_ms": f.kv_exposed_s * 1e3,
-            "first_token_ms": (first_token - f.prefill_end) * 1e3,
+            "first_token_ms": first * 1e3,
         }
         for key, value in parts.items():
             self.components[key][i] = value
