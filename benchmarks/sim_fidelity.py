@@ -1081,7 +1081,7 @@ def format_ttft_parts(cells: list[dict], key: str = "sim") -> str:
     ``key`` profile: which part of the TTFT a miss comes from (waiting, encoding, prefill)."""
     rows = []
     for c in cells:
-        real = [r.get("ttft_parts") or {} for r in c["real_runs"]]
+        real = [r.get("ttft_parts") or {} for r in c.get("real_runs") or []]
         sim = [r.get("ttft_parts") or {} for r in c.get(f"{key}_runs") or []]
         cols = []
         for part in TTFT_PARTS:
