@@ -296,7 +296,10 @@ def test_silu_and_mul_matches_torch(dtype, shape):
     assert got.shape == expected.shape and got.dtype == dtype
     if dtype == torch.bfloat16:  # a rounding step apart, and only where a product ties
         diff = got.float() - expected.float()
-        assert (diff != 0).float().mean() < 1e-3
+        # At exp's far end (x = -200) the kernel's vector exp, built for AVX2, saturates where
+        # torch's gives inf: its silu is then ~-7e-36 where torch's is -0. That is 0 for every
+        # purpose here, and not a rounding step.
+        assert (diff.abs() > 1e-30).float().mean() < 1e-3
         torch.testing.assert_close(got, expected, atol=0.02, rtol=0.01)
     else:
         torch.testing.assert_close(got, expected, **_EXACT[dtype])
