@@ -492,10 +492,12 @@ def cpu_use(pids: dict[str, int]) -> Iterator[dict]:
         for thread, (cpu, wait) in thread_times(pid).items():
             cpu0, wait0 = before[name].get(thread, (0.0, 0.0))
             threads[thread] = (cpu - cpu0, wait - wait0)
-        use[name] = {"cpu_s": sum(c for c, _ in threads.values()), "wait_s": sum(w for _, w in threads.values()),
-                     "threads": {t: round(c, 3) for t, (c, _) in sorted(threads.items(), key=lambda kv: -kv[1][0])
-                                 if c >= 0.01 * span}}
-    use["client"] = {"cpu_s": (children.ru_utime + children.ru_stime) - (children0.ru_utime + children0.ru_stime)}
+        busiest = sorted(threads.items(), key=lambda kv: -kv[1][0])
+        use[name] = {"cpu_s": sum(c for c, _ in threads.values()),
+                     "wait_s": sum(w for _, w in threads.values()),
+                     "threads": {t: round(c, 3) for t, (c, _) in busiest if c >= 0.01 * span}}
+    client_s = (children.ru_utime + children.ru_stime) - (children0.ru_utime + children0.ru_stime)
+    use["client"] = {"cpu_s": client_s}
     use["span_s"] = span
 
 
@@ -673,8 +675,8 @@ def run_round(topology: str, round_index: int, profile: Path, state: TopologySta
                     bench_serve(server.url, workload.bench_args(scale, rate, LEVEL_SEED + cell_index), workload.slo,
                                 out_dir / f"real_{tag}.json", log)
                 state.runs.append(RealRun(topology, workload.name, level, rate, round_index, tag,
-                                          (start, time.monotonic()), other.value, str(out_dir / f"real_{tag}.json"),
-                                          cpu))
+                                          (start, time.monotonic()), other.value,
+                                          str(out_dir / f"real_{tag}.json"), cpu))
     finally:
         stop_server(server)
 
@@ -981,8 +983,9 @@ def build_report(cells: list[dict], judgements: dict[str, dict], scale: Scale, r
                  "judged runs:",
                  "", format_ttft_parts(cells), ""] if format_ttft_parts(cells) else []),
               *(["## CPU of each process during the judged runs", "",
-                 ("The router, the bench client and a worker's threads besides its steps are not in the simulator's "
-                  "model; this is what they used, beside each worker's own (mean over a cell's runs)."), "",
+                 ("The router, the bench client and a worker's threads besides its steps are not in the "
+                  "simulator's model; this is what they used, beside each worker's own (mean over a cell's "
+                  "runs)."), "",
                  format_cpu(cells), ""] if format_cpu(cells) else []),
               "Plots: " + ", ".join(f"`plots/{m}.png`" for m in METRICS), "",
               "Commands (every replay in `results.json`; one of them shown):", "",
@@ -1097,8 +1100,8 @@ def format_cpu(cells: list[dict]) -> str:
     """Per cell, each server process's and the bench client's mean CPU use over its runs, in
     cores (CPU seconds over the run's span), and for each process the cores' worth of time its
     threads waited for a core; with the busiest thread names beside each process."""
-    rows = ["| cell | process | CPU, cores | waiting for a core, cores | busiest threads (CPU s, first run) |",
-            "|---|---|---|---|---|"]
+    rows = ["| cell | process | CPU, cores | waiting for a core, cores | busiest threads (CPU s, first run) "
+            "|", "|---|---|---|---|---|"]
     for c in cells:
         runs = [u for u in c.get("cpu") or [] if u.get("span_s")]
         if not runs:

@@ -67,7 +67,8 @@ def test_pick_is_the_first_worker_of_the_smallest_key(routing):
             for k in range(rng.randint(0, 3)):
                 w.take(f"r{i}_{k}", rng.choice([0, 100]))
             registry.add(w)
-        ready = [w for w in registry.workers.values() if w.role == "colocated" and w.state is WorkerState.READY]
+        ready = [w for w in registry.workers.values()
+                 if w.role == "colocated" and w.state is WorkerState.READY]
         by_prefill = routing == "least-prefill"
         expected = min(ready, key=lambda w: (w.num_prefill_tokens if by_prefill else 0, len(w.request_ids),
                                              -w.load.num_free_blocks), default=None)
