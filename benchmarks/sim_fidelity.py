@@ -973,6 +973,7 @@ def build_report(cells: list[dict], judgements: dict[str, dict], scale: Scale, r
         elif key != "sim_offline":
             lines += [*format_factors(calibration_factors(cells, key)), ""]
         lines += [format_cells(cells, key), "", format_judgement(judgements[key], key in DIAGNOSTIC_KEYS), ""]
+    parts_table, cpu_table = format_ttft_parts(cells), format_cpu(cells)
     lines += ["## Where the cells that miss are off", "",
               ("Per cell, the step traces of its real runs against the profile calibrated before them: each role's "
                "time in service over the profile's prediction (its neighbour term included), for steps that computed "
@@ -981,12 +982,12 @@ def build_report(cells: list[dict], judgements: dict[str, dict], scale: Scale, r
               *(["TTFT by part (mean over requests, then over a cell's runs; the server's meanings, "
                  "`router/timing.py`), real against the replays on the profile calibrated before the "
                  "judged runs:",
-                 "", format_ttft_parts(cells), ""] if format_ttft_parts(cells) else []),
+                 "", parts_table, ""] if parts_table else []),
               *(["## CPU of each process during the judged runs", "",
                  ("The router, the bench client and a worker's threads besides its steps are not in the "
                   "simulator's model; this is what they used, beside each worker's own (mean over a cell's "
                   "runs)."), "",
-                 format_cpu(cells), ""] if format_cpu(cells) else []),
+                 cpu_table, ""] if cpu_table else []),
               "Plots: " + ", ".join(f"`plots/{m}.png`" for m in METRICS), "",
               "Commands (every replay in `results.json`; one of them shown):", "",
               *[f"- `{c}`" for c in results["commands"] if " simulate " not in f" {c} "],

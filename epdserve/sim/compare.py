@@ -71,7 +71,9 @@ def compare_results(simulated: dict[str, Any], real: dict[str, Any]) -> list[dic
 def compare_ttft_parts(simulated: dict[str, Any], real: dict[str, Any]) -> list[dict[str, Any]]:
     """Per TTFT part both results' ``ttft_breakdown_ms`` carry: the real and simulated mean
     (ms) and their difference in ms (a part may be 0 on one side: no relative error)."""
-    sim_parts, real_parts = simulated.get("ttft_breakdown_ms") or {}, real.get("ttft_breakdown_ms") or {}
+    sim_parts, real_parts = simulated.get("ttft_breakdown_ms"), real.get("ttft_breakdown_ms")
+    if not isinstance(sim_parts, dict) or not isinstance(real_parts, dict):  # absent or not bench's shape
+        return []
     rows = []
     for part, values in real_parts.items():
         r = _number(values.get("mean")) if isinstance(values, dict) else None

@@ -490,6 +490,9 @@ def test_compare_to_a_real_result_prints_each_metrics_error(tmp_path, capsys):
     assert parts["queue_ms"]["difference_ms"] == pytest.approx(-5.0) and "TTFT part" in printed
     assert parts["prefill_ms"]["difference_ms"] == pytest.approx(0.0)
     assert set(parts) == {"queue_ms", "encode_ms", "prefill_ms", "exposed_transfer_ms", "first_token_ms"}
+    from epdserve.sim.compare import compare_ttft_parts  # a breakdown not of bench's shape is left out
+    assert compare_ttft_parts(real, {**real, "ttft_breakdown_ms": [1, 2]}) == []
+    assert compare_ttft_parts(real, {**real, "ttft_breakdown_ms": {"queue_ms": 3}}) == []
     # goodput under other SLOs is not compared; a file that is no result is a one-line error
     assert "request_goodput" not in {r["metric"] for r in compare_results({**real, "goodput_slos_ms": None}, real)}
     (tmp_path / "no.json").write_text("{}")
